@@ -1,0 +1,55 @@
+"""The one error family users see: what happened, why it matters, how to fix it.
+
+The CLI catches NanoInferError, prints it without a traceback and exits 2. Anything else is a bug in
+nanoinfer and keeps its traceback.
+"""
+
+
+class NanoInferError(Exception):
+    """A problem the user can fix (bad config, missing model, bad request)."""
+
+
+class ConfigError(NanoInferError):
+    """One or more invalid Config values; `problems` lists each one (field, value, rule, fix)."""
+
+    def __init__(self, problems: "list[ConfigProblem] | str"):
+        if isinstance(problems, str):
+            problems = [ConfigProblem(field="", value=None, message=problems)]
+        self.problems = list(problems)
+        lines = [f"{len(self.problems)} problem(s) in the configuration:"]
+        lines += [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class ConfigProblem:
+    """One invalid field: which, what value, what rule it breaks and how to fix it."""
+
+    __slots__ = ("field", "value", "message")
+
+    def __init__(self, field: str, value, message: str):
+        self.field, self.value, self.message = field, value, message
+
+    def __str__(self) -> str:
+        if not self.field:
+            return self.message
+        return f"{self.field} = {self.value!r}: {self.message}"
+
+    def to_dict(self) -> dict:
+        value = self.value if isinstance(self.value, (int, float, str, bool, type(None))) else repr(self.value)
+        return {"field": self.field, "value": value, "message": self.message}
+
+
+class ModelLoadError(NanoInferError):
+    """The model folder, its weights or its source cannot be used."""
+
+
+class RequestError(NanoInferError):
+    """A request (prompt or sampling parameters) is invalid."""
+
+
+class BatchFileError(NanoInferError):
+    """A file-level problem with a `generate` job (input, output, resume manifest)."""
+
+
+class OutOfMemoryError(NanoInferError):
+    """The KV cache cannot be sized to hold what the config asks for."""
