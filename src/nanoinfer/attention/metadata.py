@@ -1,0 +1,33 @@
+"""AttentionMetadata: what every attention backend needs to read and write the paged KV cache.
+
+Built once per step by the model runner and passed down as an argument (never a global). Sequences are
+laid out back to back in the token dimension; sequence i owns tokens query_start_loc[i]:query_start_loc[i+1].
+There is no prefill/decode mode: a sequence's new tokens are the last query_len of its seq_len tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block_id * block_size + offset), -1 = skip
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: tokens in context after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0 past a sequence's blocks
+    max_query_len: int
+    max_seq_len: int
+    # CPU copies of the lengths, so the host-side paths need no device sync.
+    query_lens_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,133 @@
+"""The paged KV cache's bookkeeping: free list, reference counts and the prefix-cache hash table.
+
+Plain Python (no torch), so it is tested exhaustively on its own. A block's hash chains the hash of the
+block before it with its own token ids (xxhash), so equal hashes mean equal prefixes; a hit is still
+checked token by token. Freed blocks keep their hash and stay reusable until the free list hands them
+out again, when the stale hash is dropped.
+
+NOTE: identical full blocks computed at the same time by two sequences are not de-duplicated, so that
+block tables stay append-only (vLLM's block_pool.py makes the same choice).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import xxhash
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash, for the hit check
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+
+
+def hash_block(parent_hash: int | None, token_ids) -> int:
+    h = xxhash.xxh64()
+    h.update((parent_hash if parent_hash is not None else 0).to_bytes(8, "little", signed=False))
+    h.update(b"\x01" if parent_hash is not None else b"\x00")
+    for token_id in token_ids:
+        h.update(int(token_id).to_bytes(4, "little", signed=False))
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Eviction order: the head is handed out first. Blocks without a cached hash go to the head when
+        # freed (nothing to lose), hashed ones to the tail (least recently used evicted first).
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.num_cache_hits = 0  # prompt blocks served from the prefix cache, over the engine's life
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks. Never covers the last token: its logits
+        are still needed, so at least one token is always computed."""
+        if not self.enable_prefix_caching:
+            return []
+        block_ids: list[int] = []
+        parent = None
+        for j in range((len(token_ids) - 1) // self.block_size):
+            chunk = token_ids[j * self.block_size : (j + 1) * self.block_size]
+            block_hash = hash_block(parent, chunk)
+            block_id = self.hash_to_block_id.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
+                break
+            block_ids.append(block_id)
+            parent = block_hash
+        return block_ids
+
+    def allocate_slots(self, seq, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
+        """Give `seq` the blocks to hold `num_new_tokens` more tokens (after any prefix-cache hits).
+        All or nothing: on False nothing changed."""
+        num_tokens = seq.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
+        num_new_blocks = self.num_blocks_for(num_tokens) - len(seq.block_table) - len(computed_block_ids)
+        # Hit blocks nobody holds sit in the free list: taking them uses up free capacity too.
+        num_revived = sum(1 for b in computed_block_ids if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_revived > self.num_free_blocks:
+            return False
+        for block_id in computed_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        if computed_block_ids:
+            seq.num_hashed_blocks = len(seq.block_table)
+            self.num_cache_hits += len(computed_block_ids)
+        for _ in range(max(num_new_blocks, 0)):
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.hash_to_block_id.get(block.block_hash) == block_id:
+                    del self.hash_to_block_id[block.block_hash]
+                block.block_hash = block.token_ids = None
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, seq) -> None:
+        """Register the sequence's newly completed (computed and full) blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for j in range(seq.num_hashed_blocks, num_full):
+            parent = self.blocks[seq.block_table[j - 1]].block_hash if j > 0 else None
+            chunk = tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
+            block = self.blocks[seq.block_table[j]]
+            block.block_hash = hash_block(parent, chunk)
+            block.token_ids = chunk
+            self.hash_to_block_id.setdefault(block.block_hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+
+    def free(self, seq) -> None:
+        """Release the sequence's blocks, last block first, so a prefix outlives its tail in the cache."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                if block.block_hash is None:
+                    self.free_block_ids.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0

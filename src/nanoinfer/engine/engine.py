@@ -1,0 +1,123 @@
+"""LLMEngine: the one loop. add_request() queues token ids; step() schedules, runs the model and applies
+the sampled tokens, returning the requests that finished. Sizes the KV cache through memory.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nanoinfer import memory
+from nanoinfer.config import Config
+from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.model_runner import DTYPES, ModelRunner
+from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.engine.sequence import Request, Sequence
+
+logger = logging.getLogger("nanoinfer")
+
+
+@dataclass
+class StepStats:
+    num_prefill_tokens: int  # tokens of sequences still catching up with their prompt (or recompute)
+    num_decode_tokens: int  # one per sequence generating its next token
+    num_preempted: int
+    seconds: float
+
+
+class LLMEngine:
+    def __init__(self, config: Config, stop_string_checker=None, eos_token_ids: set[int] = frozenset()):
+        self.config = config
+        _set_threads(config)
+        block_bytes = memory.kv_block_bytes(
+            config.hf_config, config.kvcache_block_size, config.tensor_parallel_size, DTYPES[config.dtype]
+        )
+        if config.device == "cpu":
+            self.plan = memory.plan_cpu_kv_cache(config, block_bytes)
+            memory.check_fits(self.plan, config.max_model_len)
+            self.model_runner = ModelRunner(config, self.plan.num_blocks)
+        else:
+            self.model_runner, self.plan = _build_cuda_runner(config, block_bytes)
+        logger.info(self.plan.summary_line())
+        self.block_manager = BlockManager(self.plan.num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            eos_token_ids=eos_token_ids,
+            stop_string_checker=stop_string_checker,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> tuple[list[Request], StepStats]:
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        sampled = self.model_runner.execute(out) if not out.is_empty else {}
+        num_prefill = sum(n for seq, n in out.scheduled if not _is_decode(seq, n))
+        num_decode = out.num_scheduled_tokens - num_prefill
+        finished = self.scheduler.update(out, sampled)
+        return finished, StepStats(num_prefill, num_decode, out.num_preempted, time.perf_counter() - start)
+
+
+def _is_decode(seq: Sequence, num_new: int) -> bool:
+    return num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+
+
+def _set_threads(config: Config) -> None:
+    if config.device != "cpu":
+        return
+    threads = config.num_threads or _physical_cores()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def _physical_cores() -> int:
+    try:
+        cores = set()
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                    cores.add((phys, core))
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+def _build_cuda_runner(config: Config, block_bytes: int):
+    """Load the model, measure the activation peak with a warm-up pass, then size and allocate the cache."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    free_before, total = torch.cuda.mem_get_info()
+    other_bytes = total - free_before
+    # A minimal cache for the warm-up: enough blocks for max_num_batched_tokens tokens.
+    warmup_blocks = -(-config.max_num_batched_tokens // config.kvcache_block_size) + 1
+    runner = ModelRunner(config, warmup_blocks)
+    weights_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    warmup_cache_bytes = warmup_blocks * block_bytes
+    runner.warmup()
+    peak = torch.cuda.max_memory_allocated()
+    activation_bytes = max(peak - weights_bytes - warmup_cache_bytes, 0)
+    plan = memory.plan_kv_cache(
+        total_bytes=total, utilization=config.gpu_memory_utilization, weights_bytes=weights_bytes,
+        activation_bytes=activation_bytes, other_bytes=other_bytes, block_bytes=block_bytes,
+        block_size=config.kvcache_block_size, max_model_len=config.max_model_len,
+        num_kvcache_blocks=config.num_kvcache_blocks,
+    )  # fmt: skip
+    memory.check_fits(plan, config.max_model_len)
+    runner.allocate_kv_cache(plan.num_blocks)
+    return runner, plan

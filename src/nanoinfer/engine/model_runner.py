@@ -1,0 +1,139 @@
+"""SchedulerOutput -> batch tensors + AttentionMetadata -> model forward -> sampled token ids.
+
+Owns the model and the KV cache (one (k, v) pair per layer, [num_blocks, block_size, H_kv, D]).
+Only sequences whose step reaches their last token are sampled; a prefill chunk that stops short
+contributes KV to the cache and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoinfer.attention.backend import get_backend
+from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.engine.scheduler import SchedulerOutput
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.model.decoder import CausalLM, head_dim_of
+from nanoinfer.model.loader import load_weights
+from nanoinfer.model.sampler import Sampler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config, num_blocks: int):
+        self.config = config
+        hf_config = config.hf_config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.kvcache_block_size
+        self.backend = get_backend(config.attention_backend, config.device)
+        with torch.device("cpu"):
+            model = CausalLM(hf_config, self.backend, max_position=max(config.max_model_len, 1))
+        load_weights(model, config.model)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
+        self.sampler = Sampler(config.seed)
+        attn = self.model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(hf_config)
+        self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []  # drop the old cache before allocating the new one
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.num_blocks = num_blocks
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.config.hf_config.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One forward pass at max_num_batched_tokens (split over up to max_num_seqs sequences) to find the
+        activation peak. Needs a cache of at least that many tokens."""
+        from nanoinfer.engine.sequence import Request
+        from nanoinfer.sampling_params import SamplingParams
+
+        config = self.config
+        num_tokens = min(config.max_num_batched_tokens, (self.num_blocks - 1) * self.block_size)
+        num_seqs = max(1, min(config.max_num_seqs, num_tokens // max(config.max_model_len, 1)))
+        per_seq = num_tokens // num_seqs
+        out = SchedulerOutput()
+        next_block = 0
+        for i in range(num_seqs):
+            seq = Request(f"warmup-{i}", [0] * per_seq, SamplingParams(max_tokens=1)).sequences[0]
+            num_blocks = -(-per_seq // self.block_size)
+            seq.block_table = list(range(next_block, next_block + num_blocks))
+            next_block += num_blocks
+            out.scheduled.append((seq, per_seq))
+        self.execute(out)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        """Run one step; returns seq_id -> sampled token id for the sequences that reached their end."""
+        input_ids, positions, metadata, sample_indices, sample_seqs = self.prepare_inputs(out)
+        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
+        if not sample_seqs:
+            return {}
+        logits = self.model.compute_logits(hidden_states[sample_indices])
+        token_ids = self.sampler(logits, sample_seqs)
+        return {seq.seq_id: t for seq, t in zip(sample_seqs, token_ids)}
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits of the sequences that reach their end this step (for tests against transformers)."""
+        input_ids, positions, metadata, sample_indices, _ = self.prepare_inputs(out)
+        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
+        return self.model.compute_logits(hidden_states[sample_indices])
+
+    def prepare_inputs(self, out: SchedulerOutput):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_indices: list[int] = []
+        sample_seqs: list[Sequence] = []
+        bs = self.block_size
+        max_blocks = 0
+        for seq, num_new in out.scheduled:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            for block_index in range(start // bs, (end - 1) // bs + 1):
+                block_start = block_index * bs
+                lo, hi = max(start, block_start), min(end, block_start + bs)
+                base = table[block_index] * bs - block_start
+                slot_mapping += range(base + lo, base + hi)
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, len(table))
+            if end == seq.num_tokens:
+                sample_indices.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        block_tables = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
+        for i, (seq, _) in enumerate(out.scheduled):
+            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        query_start_loc = [0]
+        for q in query_lens:
+            query_start_loc.append(query_start_loc[-1] + q)
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            metadata,
+            torch.tensor(sample_indices, dtype=torch.long, device=dev),
+            sample_seqs,
+        )

@@ -1,0 +1,192 @@
+"""Continuous batching: which sequences run this step and how many tokens each, under three limits.
+
+No prefill/decode modes (vLLM v1's idea): every sequence has num_computed_tokens and num_tokens, and a step
+lets the first catch up with the second. So chunked prefill (for any number of sequences), prefix-cache
+hits and decode are one code path. When the cache runs out, the most recently admitted running sequence
+is preempted by recompute: its blocks are freed and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.sequence import Request, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    num_preempted: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int] = frozenset(),
+        stop_string_checker: Callable[[Sequence], str | None] | None = None,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.stop_string_checker = stop_string_checker
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._finished_at_admission: list[Request] = []
+        self._num_unfinished_requests = 0
+
+    # ---- admission -------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or finish it at once with an error if it can never be served."""
+        error = self._unservable_reason(len(request.prompt_token_ids))
+        if error is not None:
+            for seq in request.sequences:
+                self._finish(seq, "error", error=error)
+            self._finished_at_admission.append(request)
+            return
+        self._num_unfinished_requests += 1
+        self.waiting.extend(request.sequences)
+
+    def _unservable_reason(self, num_prompt_tokens: int) -> str | None:
+        if num_prompt_tokens == 0:
+            return "the prompt is empty: give at least one token."
+        if num_prompt_tokens >= self.max_model_len:
+            return (f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {self.max_model_len} "
+                    "(prompt plus output). Shorten the prompt or raise max_model_len.")
+        cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_prompt_tokens + 1 > cache_tokens:
+            return (f"the prompt has {num_prompt_tokens} tokens, but the whole KV cache holds {cache_tokens}. "
+                    "Give the cache more memory (cpu_kvcache_space_gib / gpu_memory_utilization) or shorten the prompt.")
+        return None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self._num_unfinished_requests > 0 or bool(self._finished_at_admission)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self._num_unfinished_requests
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # Running sequences first, oldest first; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+
+        # Then waiting sequences, in order, while budget, sequence slots and blocks last. Not after a
+        # preemption: the cache is already short.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
+            seq = self.waiting[0]
+            computed = bm.get_computed_blocks(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            num_cached = len(computed) * bm.block_size
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+            if not bm.allocate_slots(seq, num_new, computed):
+                break
+            if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens += num_cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- after the forward pass ---------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens (seq_id -> token id), apply stop rules.
+        Returns the requests that finished (all their sequences done)."""
+        finished: list[Request] = self._finished_at_admission
+        self._finished_at_admission = []
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            token_id = sampled.get(seq.seq_id)
+            if token_id is None:
+                continue  # a prefill chunk that did not reach the end of the sequence
+            seq.token_ids.append(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, *reason)
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+                if seq.request.is_finished:
+                    self._num_unfinished_requests -= 1
+                    finished.append(seq.request)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | str | None] | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+            if params.stop and self.stop_string_checker is not None:
+                stop = self.stop_string_checker(seq)
+                if stop is not None:
+                    return "stop", stop
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None, error: str | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.error = error
+
+    def abort_all(self, error: str) -> list[Request]:
+        """Finish everything still queued or running with an error (used on shutdown)."""
+        requests: dict[str, Request] = {}
+        for seq in list(self.running) + list(self.waiting):
+            self.block_manager.free(seq)
+            self._finish(seq, "error", error=error)
+            requests[seq.request.request_id] = seq.request
+        self.running.clear()
+        self.waiting.clear()
+        self._num_unfinished_requests = 0
+        return list(requests.values())

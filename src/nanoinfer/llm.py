@@ -1,0 +1,187 @@
+"""LLM: the public facade. Owns the tokenizer; prompts -> Requests, finished Requests -> RequestOutputs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Iterable, Sequence as Seq
+
+from nanoinfer.config import Config
+from nanoinfer.engine.engine import LLMEngine, StepStats
+from nanoinfer.engine.sequence import Request, Sequence
+from nanoinfer.errors import RequestError
+from nanoinfer.outputs import CompletionOutput, RequestOutput
+from nanoinfer.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline generation over a batch of prompts.
+
+    Args:
+        model: local Hugging Face folder, the built-in default `smollm2-135m-instruct` (when None), or a hub id.
+        config: a ready Config (then keyword settings are not allowed).
+        **settings: Config fields (max_model_len=..., max_num_seqs=..., dtype=..., ...).
+    """
+
+    def __init__(self, model: str | None = None, *, config: Config | None = None, **settings):
+        if config is None:
+            if model is not None:
+                settings["model"] = model
+            config = Config(**settings)
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        eos_ids = eos_token_ids(config.model, self.tokenizer)
+        if config.eos == -1 and eos_ids:
+            config.eos = min(eos_ids)  # the seed's placeholder, filled here from the tokenizer
+            config.notes.append(("eos", config.eos, "from the tokenizer / generation_config.json"))
+        self.eos_token_ids = eos_ids
+        self.engine = LLMEngine(config, stop_string_checker=self._check_stop_strings, eos_token_ids=eos_ids)
+        self._request_counter = itertools.count()
+
+    # ---- the batch API --------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str] | Seq[list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in the prompts' order.
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string or a list of token ids.
+            sampling_params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
+
+        Returns:
+            One RequestOutput per prompt. Requests that cannot be served finish with finish_reason "error".
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _broadcast_params(sampling_params, len(prompts))
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        results: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step()[0]:
+                results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, formatted by the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    # ---- the streaming API (used by `nanoinfer generate`) ----------------------------------------------
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one prompt; returns its request id. Raises RequestError for a malformed prompt."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.encode(prompt)
+        else:
+            text, token_ids = None, self.check_token_ids(prompt)
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        self.engine.add_request(Request(request_id, token_ids, params, prompt=text))
+        return request_id
+
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        finished, stats = self.engine.step()
+        return [self._to_output(r) for r in finished], stats
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    # ---- tokenizer helpers -----------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=not _has_bos_in_text(self.tokenizer, text))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(
+                f"the model {self.config.model} has no chat template, so `messages` cannot be formatted. "
+                "Send a plain `prompt` instead."
+            )
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # a malformed conversation is the user's to fix
+            raise RequestError(f"the chat template could not format these messages: {e}") from None
+
+    def check_token_ids(self, token_ids: Iterable) -> list[int]:
+        token_ids = list(token_ids)
+        vocab = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"prompt_token_ids has {len(bad)} id(s) outside the vocabulary [0, {vocab}): {bad[:5]}. "
+                "Use ids from this model's tokenizer."
+            )
+        return token_ids
+
+    def _check_stop_strings(self, seq: Sequence) -> str | None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        best = None
+        for stop in seq.params.stop:
+            idx = text.find(stop)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        seq.output_text = text[: best[0]]
+        return best[1]
+
+    def _to_output(self, request: Request) -> RequestOutput:
+        outputs = []
+        for seq in request.sequences:
+            if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
+                text = seq.output_text
+            else:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            outputs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                error=seq.error,
+            ))
+        first = request.sequences[0]
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs,
+                             num_cached_tokens=first.num_cached_tokens,
+                             metrics={"num_preemptions": sum(s.num_preemptions for s in request.sequences)})
+
+
+def load_tokenizer(config: Config):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json (may be a list) and the tokenizer."""
+    ids: set[int] = set()
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _has_bos_in_text(tokenizer, text: str) -> bool:
+    # A chat-templated prompt already carries the BOS token as text; do not add a second one.
+    bos = getattr(tokenizer, "bos_token", None)
+    return bool(bos) and text.startswith(bos)
+
+
+def _broadcast_params(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise RequestError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt.")
+    return params

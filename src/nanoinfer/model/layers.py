@@ -1,0 +1,112 @@
+"""Shared building blocks: RMSNorm, rotary embedding, gated MLP activation, vocab-parallel embedding/head.
+
+Numerics follow Hugging Face's implementations (norm in float32, rotary tables from transformers' own
+rope initialisers) so greedy output matches token for token in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x) or, with a residual, (norm(x + residual), x + residual): the fused pre-norm step."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by position; the inverse frequencies come from transformers' rope initialisers
+    so every rope_type it knows (default, llama3, linear, yarn, ...) matches it exactly."""
+
+    def __init__(self, hf_config, head_dim: int, max_position: int):
+        super().__init__()
+        inv_freq, scaling = _rope_inv_freq(hf_config, head_dim)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Plain attributes, not buffers: model.to(bfloat16) must not round the tables (HF keeps them float32).
+        self.cos = emb.cos() * scaling
+        self.sin = emb.sin() * scaling
+
+    def to_device(self, device: torch.device) -> None:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, H, D], k [T, H_kv, D] -> rotated copies."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv_freq, 1.0
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank embeds its ids and the results are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = loaded[self.start : self.start + self.shard_size]
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        in_shard = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * in_shard.unsqueeze(-1)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> float32 logits over the full vocabulary (each rank computes its vocabulary shard)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        logits = all_gather_last_dim(logits)[..., : self.vocab_size]
+        return logits.float()

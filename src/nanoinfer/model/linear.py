@@ -1,0 +1,75 @@
+"""Linear layers that know their tensor-parallel shard.
+
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id)` that copies its rank's slice of
+a checkpoint tensor, so the loader never needs to know how a layer is split. With one rank they are
+plain linears.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.distributed import all_reduce, get_tp_rank, get_tp_size
+
+
+def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
+    param.weight_loader = loader
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by rows (output features) across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.output_sizes = [size // self.tp_size for size in output_sizes]  # per-rank size of each shard
+        out = sum(self.output_sizes)
+        self.weight = _set_loader(nn.Parameter(torch.empty(out, input_size)), self.weight_loader)
+        self.bias = _set_loader(nn.Parameter(torch.empty(out)), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        offset = sum(self.output_sizes[:shard_id])
+        size = self.output_sizes[shard_id]
+        rank_slice = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(rank_slice)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; shard ids "q", "k", "v". KV heads are split across ranks like query heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+
+    def weight_loader(self, param, loaded, shard_id="q"):
+        super().weight_loader(param, loaded, {"q": 0, "k": 1, "v": 2}[shard_id])
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by columns (input features); partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size // self.tp_size
+        self.weight = _set_loader(nn.Parameter(torch.empty(output_size, self.input_size)), self.weight_loader)
+        self.bias = _set_loader(nn.Parameter(torch.empty(output_size)), self._bias_loader) if bias else None
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        param.data.copy_(loaded.narrow(1, self.tp_rank * self.input_size, self.input_size))
+
+    def _bias_loader(self, param, loaded, shard_id=None):
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

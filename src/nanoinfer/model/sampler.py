@@ -1,0 +1,97 @@
+"""logits + per-sequence sampling parameters -> next token ids (and logprobs when asked).
+
+Greedy rows take an argmax; the rest are penalised, tempered, filtered (top-k, top-p, min-p) and
+sampled in one batch. A seeded sequence draws from its own torch.Generator, so its output does not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoinfer.engine.sequence import Logprob, Sequence
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits [num_seqs, vocab] float32 -> one token id per sequence."""
+        logits = logits.float()
+        raw_logits = logits
+        penalised = [i for i, s in enumerate(seqs) if _has_penalties(s)]
+        if penalised:
+            logits = logits.clone()
+            for i in penalised:
+                logits[i] = _apply_penalties(logits[i], seqs[i])
+        greedy = [s.params.temperature == 0 or s.params.top_k == 1 for s in seqs]
+        token_ids = torch.argmax(logits, dim=-1)
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if random_rows:
+            token_ids[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
+        result = token_ids.tolist()
+        for i, seq in enumerate(seqs):
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(_logprob(raw_logits[i], result[i], seq.params.logprobs))
+        return result
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temperatures = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+        logits = logits / temperatures.unsqueeze(1)
+        top_ks = [s.params.top_k for s in seqs]
+        if any(k > 0 for k in top_ks):
+            vocab = logits.shape[-1]
+            k = torch.tensor([k if k > 0 else vocab for k in top_ks]).clamp(max=vocab)
+            kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        top_ps = [s.params.top_p for s in seqs]
+        if any(p < 1.0 for p in top_ps):
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            cumulative = sorted_probs.cumsum(dim=-1)
+            # Drop a token when the tokens before it already reach top_p (the top token always stays).
+            drop = (cumulative - sorted_probs) >= torch.tensor(top_ps).unsqueeze(1)
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        min_ps = [s.params.min_p for s in seqs]
+        if any(p > 0 for p in min_ps):
+            threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps).unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        out = torch.empty(len(seqs), dtype=torch.long)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            out[unseeded] = torch.multinomial(probs[unseeded], 1, generator=self.generator).squeeze(1)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                out[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
+        return out
+
+
+def _has_penalties(seq: Sequence) -> bool:
+    p = seq.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        # HF semantics: over prompt and output tokens; divide positive logits, multiply negative ones.
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and seq.num_output_tokens:
+        # OpenAI semantics: over generated tokens only.
+        counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _logprob(logits: torch.Tensor, token_id: int, num_top: int) -> Logprob:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        values, ids = torch.topk(logprobs, num_top)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return Logprob(token_id, float(logprobs[token_id]), top)

@@ -1,0 +1,55 @@
+"""What generate() returns: one RequestOutput per request, one CompletionOutput per sequence (n of them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoinfer.engine.sequence import Logprob
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "error"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None for EOS)
+    logprobs: list[Logprob] | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
+    @property
+    def usage(self) -> dict:
+        completion = sum(len(o.token_ids) for o in self.outputs)
+        prompt = len(self.prompt_token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "cached_prompt_tokens": self.num_cached_tokens,
+        }
