@@ -1,0 +1,458 @@
+"""The KV-cache planner: the one place that turns memory into a number of KV blocks.
+
+The engine calls it with measured inputs (weights loaded, activation peak of a warm-up pass, memory used
+by others); `plan-memory` calls it with estimates from config.json and safetensors headers. Both get the
+same `KVCachePlan`, so the plan is what the engine allocates. Nothing here loads weights or needs a GPU.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nanoinfer.errors import ModelLoadError, NanoInferError, OutOfMemoryError
+
+if TYPE_CHECKING:
+    import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+GB = 10**9
+
+# Vendor-advertised device memory, read literally as decimal gigabytes (10**9 bytes). Real cards report
+# a little more (an "80 GB" A100 has 80 GiB = 85.9e9 bytes), so plans from this table err on the safe side.
+# For your card's exact figure pass --gpu-memory with nvidia-smi's total (e.g. 143771MiB) or run on it.
+GPU_TABLE: dict[str, int] = {
+    "H200": 141 * GB,
+    "H100-NVL": 94 * GB,
+    "H100": 80 * GB,
+    "A100-80GB": 80 * GB,
+    "A100-40GB": 40 * GB,
+    "A6000": 48 * GB,
+    "L40S": 48 * GB,
+    "L40": 48 * GB,
+    "A10": 24 * GB,
+    "A10G": 24 * GB,
+    "L4": 24 * GB,
+    "RTX-4090": 24 * GB,
+    "RTX-3090": 24 * GB,
+    "V100-32GB": 32 * GB,
+    "V100-16GB": 16 * GB,
+    "T4": 16 * GB,
+    "RTX-4080": 16 * GB,
+    "RTX-4070-Laptop": 8 * GB,
+}
+
+_DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "bfloat16": 2, "bf16": 2,
+    "float16": 2, "fp16": 2, "half": 2,
+}  # fmt: skip
+
+
+def _normalize_gpu_name(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name).lower().removeprefix("nvidia").removeprefix("geforce")
+
+
+def lookup_gpu(name: str) -> tuple[str, int]:
+    """(table name, bytes) of a card; ignores case, spaces, '-', '_' and an NVIDIA/GeForce prefix."""
+    names = {_normalize_gpu_name(k): k for k in GPU_TABLE}
+    key = _normalize_gpu_name(name)
+    if key in names:
+        return names[key], GPU_TABLE[names[key]]
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(names[c] for c in close)}?" if close else ""
+    raise NanoInferError(
+        f"unknown GPU {name!r}.{hint} Known cards: {', '.join(GPU_TABLE)}. "
+        "For another card pass its memory instead, e.g. --gpu-memory 48GiB."
+    )
+
+
+def gpu_memory_bytes(name: str) -> int:
+    """Memory of a card from GPU_TABLE (see lookup_gpu)."""
+    return lookup_gpu(name)[1]
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": MiB, "mi": MiB, "mib": MiB, "mb": 10**6,
+    "g": GiB, "gi": GiB, "gib": GiB, "gb": GB,
+    "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in a size such as "80GiB", "80GB", "80 G", "141e9" or "512MiB".
+
+    GiB/MiB/KiB/TiB (and the bare letters G, M, K, T) are binary; GB/MB/KB/TB are decimal;
+    a plain number is bytes.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise NanoInferError(
+            f"cannot read memory size {text!r}. Write a number and a unit, e.g. 80GiB, 80GB, 512MiB or "
+            "141e9 (bytes). GiB/MiB (and bare G/M) are powers of 1024, GB/MB powers of 1000."
+        )
+    size = float(match.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(size) or size < 1:
+        raise NanoInferError(f"memory size {text!r} must be at least one byte.")
+    return int(size)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable binary size: 1.2 GiB, 512.0 MiB."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element of a torch dtype or its name ("bfloat16", "bf16", "torch.float16", ...)."""
+    if not isinstance(dtype, str):
+        return dtype.itemsize
+    name = dtype.lower().removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise NanoInferError(f"unknown dtype {dtype!r}. Use float32, bfloat16 or float16.")
+    return _DTYPE_BYTES[name]
+
+
+def _get(hf_config: Any, key: str, default: Any = None) -> Any:
+    value = hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
+    return default if value is None else value
+
+
+def head_dim(hf_config) -> int:
+    """hf_config.head_dim when set (Qwen3 sets it), else hidden_size // num_attention_heads."""
+    heads = _get(hf_config, "num_attention_heads")
+    return _get(hf_config, "head_dim") or _get(hf_config, "hidden_size") // heads
+
+
+def num_kv_heads(hf_config) -> int:
+    return _get(hf_config, "num_key_value_heads", _get(hf_config, "num_attention_heads"))
+
+
+def num_kv_heads_per_rank(hf_config, tensor_parallel_size: int) -> int:
+    """KV heads on one rank. With more ranks than KV heads, each rank holds one replicated head (as vLLM)."""
+    total = num_kv_heads(hf_config)
+    if not is_valid_tensor_parallel_size(hf_config, tensor_parallel_size):
+        raise NanoInferError(
+            f"tensor_parallel_size {tensor_parallel_size} does not split this model: it has "
+            f"{_get(hf_config, 'num_attention_heads')} attention heads and {total} KV heads. "
+            f"Use one of {valid_tensor_parallel_sizes(hf_config)}."
+        )
+    return max(1, total // tensor_parallel_size)
+
+
+def is_valid_tensor_parallel_size(hf_config, tensor_parallel_size: int) -> bool:
+    """Heads must split evenly over ranks; KV heads must split evenly or be replicated evenly."""
+    heads, kv_heads = _get(hf_config, "num_attention_heads"), num_kv_heads(hf_config)
+    tp = tensor_parallel_size
+    return tp >= 1 and heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+
+
+def valid_tensor_parallel_sizes(hf_config, candidates=(1, 2, 4, 8)) -> list[int]:
+    return [tp for tp in candidates if is_valid_tensor_parallel_size(hf_config, tp)]
+
+
+def kv_block_bytes(hf_config, block_size: int, tensor_parallel_size: int, dtype: torch.dtype | str) -> int:
+    """Bytes of one KV block on one rank: K and V for every layer, block_size tokens, this rank's KV heads."""
+    kv_heads = num_kv_heads_per_rank(hf_config, tensor_parallel_size)
+    layers = _get(hf_config, "num_hidden_layers")
+    return 2 * layers * block_size * kv_heads * head_dim(hf_config) * dtype_bytes(dtype)
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """How many KV blocks to allocate and where the memory went. All byte counts are per rank.
+
+    budget_bytes = total_bytes x utilization - weights - activations - other; num_blocks x block_bytes
+    fits in it. `max_model_len` is the sequence length the plan was made for.
+    """
+
+    num_blocks: int
+    block_bytes: int
+    block_size: int
+    budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    other_bytes: int
+    total_bytes: int
+    max_model_len: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def blocks_per_sequence(self, max_model_len: int | None = None) -> int:
+        return math.ceil((max_model_len or self.max_model_len) / self.block_size)
+
+    def max_concurrency(self, max_model_len: int | None = None) -> float:
+        """Sequences of max_model_len tokens the cache holds at once, in whole blocks (vLLM's figure)."""
+        return self.num_blocks / self.blocks_per_sequence(max_model_len)
+
+    def max_num_seqs_that_fit(self, max_model_len: int | None = None) -> int:
+        """Whole sequences of max_model_len tokens that fit side by side."""
+        return self.num_blocks // self.blocks_per_sequence(max_model_len)
+
+    @property
+    def fits_one_sequence(self) -> bool:
+        return self.blocks_per_sequence() <= self.num_blocks
+
+    def max_model_len_that_fits(self, model_max_len: int | None = None) -> int:
+        """Largest length L with ceil(L / block_size) <= num_blocks, capped at the model's maximum."""
+        if model_max_len is None:
+            return self.num_tokens
+        return min(self.num_tokens, model_max_len)
+
+    def summary_line(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks:,} blocks x {self.block_size} tokens = {self.num_tokens:,} tokens, "
+            f"max concurrency {self.max_concurrency():.1f} at max_model_len {self.max_model_len}, "
+            f"{format_bytes(self.kv_bytes)}"
+        )
+
+
+def kv_budget_bytes(*, total_bytes, utilization, weights_bytes, activation_bytes, other_bytes) -> int:
+    """Memory left for the KV cache: total x utilization minus everything else (may be negative)."""
+    return math.floor(total_bytes * utilization) - weights_bytes - activation_bytes - other_bytes
+
+
+def plan_kv_cache(
+    *,
+    total_bytes: int,
+    utilization: float,
+    weights_bytes: int,
+    activation_bytes: int,
+    other_bytes: int,
+    block_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    num_kvcache_blocks: int = -1,
+) -> KVCachePlan:
+    """Size the KV cache of one device (per rank under tensor parallelism).
+
+    Args:
+        total_bytes: device memory in all.
+        utilization: fraction of total_bytes the engine may use (gpu_memory_utilization).
+        weights_bytes, activation_bytes: this rank's weights and forward-pass peak.
+        other_bytes: memory already used by other processes (and the CUDA context).
+        block_bytes: from kv_block_bytes(); block_size: tokens per block.
+        max_model_len: the sequence length the plan is for (see check_fits).
+        num_kvcache_blocks: -1 sizes the cache from the budget; a positive value is used as is,
+            after checking that it fits in the budget.
+
+    Returns:
+        The plan. Raises OutOfMemoryError when nothing (or not the requested blocks) fits.
+    """
+    budget = kv_budget_bytes(
+        total_bytes=total_bytes, utilization=utilization, weights_bytes=weights_bytes,
+        activation_bytes=activation_bytes, other_bytes=other_bytes,
+    )  # fmt: skip
+    usable = math.floor(total_bytes * utilization)
+    breakdown = (
+        f"gpu_memory_utilization {utilization} x {format_bytes(total_bytes)} = {format_bytes(usable)}, "
+        f"minus weights {format_bytes(weights_bytes)}, "
+        f"activation peak {format_bytes(activation_bytes)} and memory used by others "
+        f"{format_bytes(other_bytes)} leaves {format_bytes(budget)} for the KV cache"
+    )
+    if budget <= 0:
+        raise OutOfMemoryError(
+            f"Not enough memory for the KV cache: {breakdown}. Raise `gpu_memory_utilization`, use a card "
+            "with more memory or a larger `tensor_parallel_size`, lower `max_num_batched_tokens` / "
+            "`max_num_seqs` (smaller activation peak), or use a 2-byte dtype."
+        )
+    if num_kvcache_blocks > 0:
+        if num_kvcache_blocks * block_bytes > budget:
+            raise OutOfMemoryError(
+                f"num_kvcache_blocks = {num_kvcache_blocks} needs "
+                f"{format_bytes(num_kvcache_blocks * block_bytes)} ({num_kvcache_blocks} x {block_bytes:,} "
+                f"bytes) but {breakdown}: at most "
+                f"{budget // block_bytes} blocks. Lower num_kvcache_blocks, or set it to -1 to size the "
+                "cache from memory."
+            )
+        num_blocks = num_kvcache_blocks
+    elif num_kvcache_blocks == 0:
+        raise OutOfMemoryError(
+            "num_kvcache_blocks = 0 leaves no KV cache. Set it to -1 to size the cache from memory."
+        )
+    else:
+        num_blocks = budget // block_bytes
+        if num_blocks == 0:
+            raise OutOfMemoryError(
+                f"No room for a single KV block ({format_bytes(block_bytes)}): {breakdown}. Raise "
+                "`gpu_memory_utilization`, lower `kvcache_block_size`, or free memory as above."
+            )
+    return KVCachePlan(
+        num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size, budget_bytes=budget,
+        weights_bytes=weights_bytes, activation_bytes=activation_bytes, other_bytes=other_bytes,
+        total_bytes=total_bytes, max_model_len=max_model_len,
+    )  # fmt: skip
+
+
+def available_ram_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def plan_cpu_kv_cache(config, block_bytes: int) -> KVCachePlan:
+    """Size the KV cache on CPU: the budget is config.cpu_kvcache_space_gib, checked against free RAM.
+
+    Call it after the weights are loaded, so that MemAvailable no longer counts them.
+    """
+    space = config.cpu_kvcache_space_gib
+    budget = math.floor(space * GiB)
+    available = available_ram_bytes()
+    if available is not None and budget > 0.9 * available:
+        raise OutOfMemoryError(
+            f"cpu_kvcache_space_gib = {space} asks for {format_bytes(budget)} of KV cache but only "
+            f"{format_bytes(available)} of RAM is available (MemAvailable) and nanoinfer uses at most 90% "
+            f"of it ({format_bytes(0.9 * available)}). Lower cpu_kvcache_space_gib to "
+            f"{math.floor(0.9 * available / GiB * 10) / 10} or less, or free memory."
+        )
+    block_size = config.kvcache_block_size
+    user_blocks = config.num_kvcache_blocks
+    if user_blocks > 0 and user_blocks * block_bytes > budget:
+        raise OutOfMemoryError(
+            f"num_kvcache_blocks = {user_blocks} needs {format_bytes(user_blocks * block_bytes)} "
+            f"({user_blocks} x {block_bytes:,} bytes) but cpu_kvcache_space_gib = {space} "
+            f"allows {budget // block_bytes} blocks. Raise cpu_kvcache_space_gib or lower num_kvcache_blocks."
+        )
+    num_blocks = user_blocks if user_blocks > 0 else budget // block_bytes
+    if num_blocks <= 0:
+        raise OutOfMemoryError(
+            f"cpu_kvcache_space_gib = {space} ({format_bytes(budget)}) is smaller than one KV block "
+            f"({format_bytes(block_bytes)}). Raise cpu_kvcache_space_gib or lower kvcache_block_size."
+        )
+    return KVCachePlan(
+        num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size, budget_bytes=budget,
+        weights_bytes=0, activation_bytes=0, other_bytes=0, total_bytes=available or budget,
+        max_model_len=config.max_model_len,
+    )  # fmt: skip
+
+
+def check_fits(plan: KVCachePlan, max_model_len: int) -> None:
+    """Raise OutOfMemoryError (vLLM's wording) when one max_model_len sequence does not fit the cache."""
+    if plan.blocks_per_sequence(max_model_len) <= plan.num_blocks:
+        return
+    raise OutOfMemoryError(
+        f"The model's max seq len ({max_model_len}) is larger than the maximum number of tokens that can be "
+        f"stored in KV cache ({plan.num_tokens}). Try increasing `gpu_memory_utilization` (or "
+        "`cpu_kvcache_space_gib` on CPU) or decreasing `max_model_len` when initializing the engine. "
+        "Based on the available memory, the estimated maximum model length is "
+        f"{plan.max_model_len_that_fits()}."
+    )
+
+
+def weights_bytes_from_checkpoint(model_dir, dtype: torch.dtype | str, hf_config=None) -> int:
+    """Bytes the weights take once loaded in `dtype`, read from safetensors headers (no tensor data).
+
+    A folder without *.safetensors (only config.json) gets an estimate from its config instead.
+    hf_config: the loaded config if the caller has it (transformers fills in defaults); else config.json.
+    """
+    model_dir = Path(model_dir)
+    if hf_config is None:
+        hf_config = _read_config_json(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return estimate_weights_bytes(hf_config, dtype)
+    tied = bool(_get(hf_config, "tie_word_embeddings", False))
+    num_elements = 0
+    for path in files:
+        for name, info in _read_safetensors_header(path).items():
+            if name == "__metadata__" or (tied and name == "lm_head.weight"):
+                continue  # a tied head shares the embedding's memory
+            num_elements += math.prod(info["shape"])
+    return num_elements * dtype_bytes(dtype)
+
+
+def _read_config_json(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from None
+
+
+def _read_safetensors_header(path: Path) -> dict:
+    # Layout: 8-byte little-endian header length, then that many bytes of JSON, then tensor data.
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 * MiB or length > path.stat().st_size - 8:
+                raise ValueError(f"header length {length} is not plausible")
+            return json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as e:
+        raise ModelLoadError(
+            f"{path} is not a readable safetensors file ({e}). Re-download the model."
+        ) from None
+
+
+def estimate_weights_bytes(hf_config, dtype: torch.dtype | str) -> int:
+    """Parameters of a Llama/Qwen-style decoder from its config: embeddings, layers, final norm, head."""
+    hidden, vocab = _get(hf_config, "hidden_size"), _get(hf_config, "vocab_size")
+    heads, kv_heads, dim = (
+        _get(hf_config, "num_attention_heads"),
+        num_kv_heads(hf_config),
+        head_dim(hf_config),
+    )
+    model_type = _get(hf_config, "model_type", "")
+    q_size, kv_size = heads * dim, kv_heads * dim
+    attention = hidden * (q_size + 2 * kv_size) + q_size * hidden
+    if _get(hf_config, "attention_bias", model_type == "qwen2"):  # Qwen2 always has q/k/v biases
+        attention += q_size + 2 * kv_size
+    if model_type == "qwen3":
+        attention += 2 * dim  # q_norm and k_norm
+    mlp = 3 * hidden * _get(hf_config, "intermediate_size")
+    layer = attention + mlp + 2 * hidden  # two RMSNorms
+    params = vocab * hidden + _get(hf_config, "num_hidden_layers") * layer + hidden
+    if not _get(hf_config, "tie_word_embeddings", False):
+        params += vocab * hidden
+    return params * dtype_bytes(dtype)
+
+
+def estimate_activation_bytes(
+    hf_config, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype | str, tp: int
+) -> int:
+    """Estimated forward-pass peak on one rank; the engine measures it instead on CUDA.
+
+    For T = max_num_batched_tokens tokens and S = max_num_seqs rows of logits:
+      resident: hidden states and residual, 2 x T x hidden_size
+      plus the largest of
+        attention: q, k, v and the attention output, T x (2 x heads + 2 x kv_heads) / tp x head_dim
+        mlp: gate_up and activation output, T x 3 x intermediate_size / tp
+        sampling: logits and probabilities in float32, 2 x S x vocab_size x 4 bytes (full vocab on rank 0)
+    Tensors of the dtype take dtype_bytes each. Layers run one at a time, so only one layer's temporaries
+    are alive at once.
+    """
+    size = dtype_bytes(dtype)
+    tokens = max_num_batched_tokens
+    heads = _get(hf_config, "num_attention_heads") // tp
+    kv_heads = num_kv_heads_per_rank(hf_config, tp)
+    resident = 2 * tokens * _get(hf_config, "hidden_size") * size
+    attention = tokens * (2 * heads + 2 * kv_heads) * head_dim(hf_config) * size
+    mlp = tokens * 3 * (_get(hf_config, "intermediate_size") // tp) * size
+    sampling = 2 * max_num_seqs * _get(hf_config, "vocab_size") * 4
+    return resident + max(attention, mlp, sampling)
