@@ -1,18 +1,31 @@
 """Config: the seed's dataclass (nano-vllm's config.py) plus the fields nanoinfer needs.
 
 Every user-facing settings check lives here and reports all problems at once (ConfigError). The seed's
-placeholders (hf_config, eos, max_model_len clamping) are filled in by `__post_init__`, and each change is
-recorded in `notes` so `check-config` can show what was filled in and from where.
+placeholders (hf_config, max_model_len clamping, device/dtype/attention "auto") are filled in by
+`__post_init__`, and each change is recorded in `notes` so `check-config` can show what was filled in and
+from where. YAML files and CLI flags are merged into a Config by `nanoinfer.config_file.build_config`.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from nanoinfer.errors import ConfigError, ConfigProblem
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+# Fields that are not user settings: filled in by __post_init__ (or, for eos, by the engine).
+NOT_SETTABLE = {
+    "hf_config": "it is loaded from the model folder's config.json; point `model` at the folder instead",
+    "notes": "it records what nanoinfer filled in or clamped; it is output, not a setting",
+    "eos": "the end-of-sequence id comes from the model's tokenizer; set stop conditions per request instead",
+}
 
 
 @dataclass(slots=True)
@@ -21,24 +34,35 @@ class Config:
 
     Args:
         model: a local Hugging Face folder, the built-in default `smollm2-135m-instruct`, or a hub repo id.
-        max_num_batched_tokens: most tokens in one forward pass, summed over the scheduled sequences.
+            A relative path is resolved against the current working directory (also when it comes from a
+            YAML file), as vLLM and transformers do.
+        max_num_batched_tokens: most tokens in one forward pass, summed over the scheduled sequences;
+            must be >= max_num_seqs.
         max_num_seqs: most sequences in one forward pass.
         max_model_len: most tokens (prompt + output) in one sequence; clamped to max_position_embeddings.
-        gpu_memory_utilization: fraction of device memory the engine may use in all (CUDA).
-        tensor_parallel_size: processes the weights are sharded over (1..8).
+        gpu_memory_utilization: fraction of device memory the engine may use in all (CUDA), in (0, 1].
+        tensor_parallel_size: processes the weights are sharded over (1..8); must divide the model's
+            attention heads and key/value heads.
         enforce_eager: True disables CUDA graphs for decode.
-        hf_config: loaded from `model/config.json`; never passed by hand.
-        eos: placeholder; filled from the tokenizer.
-        kvcache_block_size: tokens per KV-cache block, a multiple of 256.
-        num_kvcache_blocks: total KV blocks; -1 sizes the cache from memory.
-        device: auto | cpu | cuda.
-        dtype: auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA, float32 on CPU).
-        attention_backend: auto | torch | triton | flash-attn.
+        hf_config: loaded from `model/config.json`; never passed by hand (a value passed in is replaced).
+        eos: placeholder; filled from the tokenizer by the engine.
+        kvcache_block_size: tokens per KV-cache block, a positive multiple of 256.
+        num_kvcache_blocks: total KV blocks; -1 sizes the cache from memory. A set value must hold one
+            max_model_len sequence: num_kvcache_blocks * kvcache_block_size >= max_model_len.
+        device: auto | cpu | cuda (auto: cuda when available, else cpu).
+        dtype: auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA, float16 on GPUs without
+            bfloat16, float32 on CPU). float16 is refused on CPU.
+        attention_backend: auto | torch | triton | flash-attn. triton and flash-attn need CUDA; flash-attn
+            needs the flash-attn package and float16/bfloat16. auto picks flash-attn, then triton, then torch.
         seed: global seed for sampling when a request gives none.
-        cpu_kvcache_space_gib: KV-cache memory budget on CPU, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE).
+        cpu_kvcache_space_gib: KV-cache memory budget on CPU, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); > 0.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         num_threads: torch intra-op threads on CPU; 0 means one per physical core.
-        trust_remote_code: never turned on by nanoinfer itself; only for tokenizers that need it.
+        trust_remote_code: never turned on by nanoinfer itself; passed to transformers when loading
+            config.json (and the tokenizer). Only set it for a model folder you trust.
+
+    Raises:
+        ConfigError: listing every invalid field at once (field, value, rule and fix).
     """
 
     model: str = DEFAULT_MODEL
@@ -61,41 +85,189 @@ class Config:
     enable_prefix_caching: bool = True
     num_threads: int = 0
     trust_remote_code: bool = False
-    # What __post_init__ filled in or clamped: (field, value, reason). Not a user setting.
-    notes: list = field(default_factory=list, repr=False, compare=False)
+    # What __post_init__ filled in or clamped: (field, value, reason). Not a user setting; init=False so
+    # dataclasses.replace() starts a fresh list instead of copying the old notes.
+    notes: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        problems = [p for name in user_fields() if (p := type_problem(name, getattr(self, name)))]
+        bad = {p.field for p in problems}  # fields with the wrong type: skip every rule that reads them
+        problems += _range_problems(self, bad)
+        if "model" not in bad and self.model.strip():
+            problems += self._load_model_config(bad)
+        problems += self._resolve_device(bad)
+        if problems:
+            raise ConfigError(problems)
+        self.gpu_memory_utilization = float(self.gpu_memory_utilization)  # YAML `1` is a valid fraction
+        self.cpu_kvcache_space_gib = float(self.cpu_kvcache_space_gib)
+
+    def _load_model_config(self, bad: set[str]) -> list[ConfigProblem]:
+        """Resolve `model`, load its config.json, clamp max_model_len; model-dependent checks."""
         from nanoinfer.model_source import resolve_model
 
-        problems: list[ConfigProblem] = []
-        model_dir = None
         try:
             model_dir = resolve_model(self.model)
         except ConfigError as e:
-            problems += e.problems
-        if model_dir is not None:
-            if str(model_dir) != self.model:
-                self.notes.append(("model", str(model_dir), f"resolved from {self.model!r}"))
-            self.model = str(model_dir)
-            from transformers import AutoConfig
+            return list(e.problems)  # the model-dependent checks below need the model: skip them
+        if str(model_dir) != self.model:
+            self.notes.append(("model", str(model_dir), f"resolved from {self.model!r}"))
+        self.model = str(model_dir)
+        from transformers import AutoConfig
 
-            self.hf_config = AutoConfig.from_pretrained(self.model)
-            max_pos = getattr(self.hf_config, "max_position_embeddings", None)
-            if max_pos is not None and self.max_model_len > max_pos:
-                self.notes.append(
-                    ("max_model_len", max_pos, f"clamped from {self.max_model_len} to the model's max_position_embeddings")
+        trust = self.trust_remote_code if "trust_remote_code" not in bad else False
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=trust)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return [
+                ConfigProblem(
+                    "model",
+                    self.model,
+                    f"its config.json cannot be read by transformers ({e}). Point `model` at a Hugging Face "
+                    "model folder whose config.json is valid.",
                 )
-                self.max_model_len = max_pos
-        if self.device == "auto":
+            ]
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        if "max_model_len" not in bad and isinstance(max_pos, int) and self.max_model_len > max_pos:
+            reason = f"clamped from {self.max_model_len} to the model's max_position_embeddings"
+            self.notes.append(("max_model_len", max_pos, reason))
+            self.max_model_len = max_pos
+        return _model_problems(self, bad) + _kvcache_capacity_problem(self, bad)
+
+    def _resolve_device(self, bad: set[str]) -> list[ConfigProblem]:
+        """Fill in device/dtype/attention_backend 'auto' and check they work together on this machine."""
+        problems = []
+        device_ok = "device" not in bad and self.device in DEVICES
+        if "device" not in bad and not device_ok:
+            problems.append(_choice_problem("device", self.device, DEVICES))
+        if device_ok and self.device != "cpu":
+            import torch  # only needed to look at the hardware
+
+            cuda = torch.cuda.is_available()
+            if self.device == "auto":
+                self.device = "cuda" if cuda else "cpu"
+                self.notes.append(
+                    ("device", self.device, "auto: " + ("CUDA is available" if cuda else "no CUDA"))
+                )
+            elif not cuda:
+                problems.append(
+                    ConfigProblem(
+                        "device",
+                        "cuda",
+                        f"CUDA is not available here (torch {torch.__version__}, "
+                        f"CUDA build {torch.version.cuda or 'none'}). Use device: cpu, or device: auto.",
+                    )
+                )
+                device_ok = False
+            if device_ok and self.device == "cuda" and "tensor_parallel_size" not in bad:
+                num_gpus = torch.cuda.device_count()
+                if self.tensor_parallel_size > num_gpus:
+                    problems.append(
+                        ConfigProblem(
+                            "tensor_parallel_size",
+                            self.tensor_parallel_size,
+                            f"needs one GPU per rank but {num_gpus} are visible. "
+                            f"Set tensor_parallel_size to at most {num_gpus}.",
+                        )
+                    )
+        problems += self._resolve_dtype(device_ok, bad)
+        problems += self._resolve_attention_backend(device_ok, bad)
+        return problems
+
+    def _resolve_dtype(self, device_ok: bool, bad: set[str]) -> list[ConfigProblem]:
+        if "dtype" in bad:
+            return []
+        if self.dtype not in DTYPES:
+            return [_choice_problem("dtype", self.dtype, DTYPES)]
+        if not device_ok:
+            return []
+        if self.dtype == "auto":
+            if self.device == "cpu":
+                self.dtype = "float32"
+            else:
+                import torch
+
+                self.dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+            self.notes.append(("dtype", self.dtype, f"auto for {self.device}"))
+        elif self.dtype == "float16" and self.device == "cpu":
+            return [
+                ConfigProblem(
+                    "dtype",
+                    "float16",
+                    "is not usable on the CPU (many CPU kernels lack float16 or run it very slowly). "
+                    "Use bfloat16 or float32.",
+                )
+            ]
+        elif self.dtype == "bfloat16" and self.device == "cuda":
             import torch
 
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.notes.append(("device", self.device, "auto-detected"))
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
-            self.notes.append(("dtype", self.dtype, f"auto for {self.device}"))
-        if problems:
-            raise ConfigError(problems)
+            if not torch.cuda.is_bf16_supported():
+                return [
+                    ConfigProblem(
+                        "dtype", "bfloat16", "this GPU has no bfloat16 support. Use float16 or float32."
+                    )
+                ]
+        return []
+
+    def _resolve_attention_backend(self, device_ok: bool, bad: set[str]) -> list[ConfigProblem]:
+        import importlib.util
+
+        backend = self.attention_backend
+        if "attention_backend" in bad:
+            return []
+        if backend not in ATTENTION_BACKENDS:
+            return [_choice_problem("attention_backend", backend, ATTENTION_BACKENDS)]
+        if not device_ok:
+            return []
+        has_flash_attn = importlib.util.find_spec("flash_attn") is not None
+        has_triton = importlib.util.find_spec("triton") is not None
+        half = self.dtype in ("bfloat16", "float16")
+        if backend == "auto":
+            if self.device == "cuda" and has_flash_attn and half:
+                backend, why = "flash-attn", "CUDA, flash-attn installed"
+            elif self.device == "cuda" and has_triton:
+                backend, why = "triton", "CUDA" + ("" if half else f", {self.dtype}")
+            else:
+                backend, why = "torch", f"{self.device}"
+            self.attention_backend = backend
+            self.notes.append(("attention_backend", backend, f"auto: {why}"))
+            return []
+        if backend in ("triton", "flash-attn") and self.device != "cuda":
+            return [
+                ConfigProblem(
+                    "attention_backend",
+                    backend,
+                    f"runs only on CUDA but device is {self.device}. Use attention_backend: torch (or auto).",
+                )
+            ]
+        if backend == "flash-attn" and not has_flash_attn:
+            return [
+                ConfigProblem(
+                    "attention_backend",
+                    backend,
+                    "needs the flash-attn package, which is not installed. Install it with "
+                    "`pip install 'nanoinfer[cuda]'`, or use attention_backend: triton (or auto).",
+                )
+            ]
+        if backend == "flash-attn" and not half:
+            return [
+                ConfigProblem(
+                    "attention_backend",
+                    backend,
+                    f"supports only float16 and bfloat16, but dtype is {self.dtype}. "
+                    "Use dtype: bfloat16, or attention_backend: triton.",
+                )
+            ]
+        if backend == "triton" and not has_triton:
+            return [
+                ConfigProblem(
+                    "attention_backend",
+                    backend,
+                    "needs the triton package. Install triton, or use torch (or auto).",
+                )
+            ]
+        return []
 
     def to_dict(self) -> dict:
         """User-settable fields and their resolved values (hf_config and notes left out)."""
@@ -103,4 +275,197 @@ class Config:
 
 
 def user_fields() -> list[str]:
+    """Every field but hf_config and notes, in declaration order (eos included: settable from Python)."""
     return [f for f in Config.__dataclass_fields__ if f not in ("hf_config", "notes")]
+
+
+def settable_fields() -> list[str]:
+    """The fields a YAML file or a CLI flag may set."""
+    return [f for f in Config.__dataclass_fields__ if f not in NOT_SETTABLE]
+
+
+def field_default(name: str):
+    return Config.__dataclass_fields__[name].default
+
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def type_problem(name: str, value) -> ConfigProblem | None:
+    """A problem when `value` has the wrong type for field `name` (bool is not an int, "64" is not an int)."""
+    kind = Config.__dataclass_fields__[name].type  # a string: `from __future__ import annotations`
+    if kind not in _TYPE_NAMES:
+        return None
+    if kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind == "bool":
+        ok = isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if ok:
+        return None
+    default = field_default(name)
+    example = f"{name}: {str(default).lower() if isinstance(default, bool) else default}"
+    fix = f"Write it like `{example}`."
+    if value is None:
+        fix = f"Give a value, or remove `{name}` to use the default ({default!r})."
+    elif isinstance(value, bool) and kind != "bool":
+        fix = f"YAML reads yes/no/on/off/true/false as booleans. {fix}"
+    elif isinstance(value, str) and kind in ("int", "float") and _is_number(value, kind):
+        fix = f"Remove the quotes: `{name}: {value.strip()}`."
+    elif isinstance(value, float) and kind == "int" and value.is_integer():
+        fix = f"Write it without the decimal point: `{name}: {int(value)}`."
+    return ConfigProblem(name, value, f"expected {_TYPE_NAMES[kind]}, got {_describe(value)}. {fix}")
+
+
+def _is_number(text: str, kind: str) -> bool:
+    try:
+        (int if kind == "int" else float)(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "no value (null)"
+    if isinstance(value, bool):
+        return f"a boolean ({value})"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, float):
+        return f"a float ({value})"
+    if isinstance(value, int):
+        return f"an integer ({value})"
+    return f"a {type(value).__name__}"
+
+
+def _choice_problem(name: str, value, choices: tuple[str, ...]) -> ConfigProblem:
+    return ConfigProblem(name, value, f"must be one of {', '.join(choices)}. Pick one of those.")
+
+
+def _range_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
+    """Single-field ranges and cross-field rules that do not need the model."""
+    problems = []
+
+    def check(name: str, ok, message: str):
+        if name not in bad and not ok(getattr(c, name)):
+            problems.append(ConfigProblem(name, getattr(c, name), message))
+
+    check(
+        "model",
+        lambda v: v.strip() != "",
+        f"is empty. Give a model folder, or remove it to use {DEFAULT_MODEL}.",
+    )
+    for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        check(
+            name,
+            lambda v: v >= 1,
+            f"must be a positive integer. Use at least 1, e.g. the default {field_default(name)}.",
+        )
+    check(
+        "kvcache_block_size",
+        lambda v: v > 0 and v % 256 == 0,
+        "must be a positive multiple of 256 (flash-attn's paged KV cache needs it). Use 256, 512, ...",
+    )
+    check(
+        "tensor_parallel_size",
+        lambda v: 1 <= v <= 8,
+        "must be between 1 and 8 (one process per rank). Use 1 for a single device.",
+    )
+    check(
+        "gpu_memory_utilization",
+        lambda v: 0 < v <= 1,  # NaN fails this too
+        "is the fraction of device memory the engine may use and must be in (0, 1]. Use e.g. 0.9.",
+    )
+    check(
+        "num_kvcache_blocks",
+        lambda v: v == -1 or v >= 1,
+        "must be -1 (size the cache from free memory) or a positive block count. Use -1 unless you need a fixed size.",
+    )
+    check(
+        "cpu_kvcache_space_gib",
+        lambda v: v > 0 and math.isfinite(v),
+        "is the CPU KV-cache budget in GiB and must be positive. Use e.g. 4.",
+    )
+    check(
+        "num_threads",
+        lambda v: v >= 0,
+        "must be 0 (one thread per physical core) or a positive thread count.",
+    )
+    check("eos", lambda v: v >= -1, "is filled in from the tokenizer; leave it at -1.")
+    batch_ok = not bad & {"max_num_batched_tokens", "max_num_seqs"}
+    if batch_ok and 1 <= c.max_num_batched_tokens < c.max_num_seqs:
+        problems.append(
+            ConfigProblem(
+                "max_num_batched_tokens",
+                c.max_num_batched_tokens,
+                f"must be >= max_num_seqs ({c.max_num_seqs}): every scheduled sequence needs at least one "
+                f"token per step. Raise max_num_batched_tokens to {c.max_num_seqs} or more, or lower max_num_seqs.",
+            )
+        )
+    return problems
+
+
+def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
+    """Checks against the loaded hf_config: supported architecture, heads divisible by tensor_parallel_size."""
+    problems = []
+    model_type = getattr(c.hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(
+            ConfigProblem(
+                "model",
+                c.model,
+                f"its architecture (model_type {model_type!r}) is not supported. nanoinfer runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}; use a model of one of these families.",
+            )
+        )
+    tp = c.tensor_parallel_size
+    if "tensor_parallel_size" in bad or not 1 <= tp <= 8:
+        return problems
+    num_heads = getattr(c.hf_config, "num_attention_heads", None)
+    heads = {
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(c.hf_config, "num_key_value_heads", None) or num_heads,
+    }
+    heads = {key: n for key, n in heads.items() if isinstance(n, int)}
+    if any(n % tp for n in heads.values()):
+        divisors = [d for d in range(1, 9) if all(n % d == 0 for n in heads.values())]
+        counts = " and ".join(f"{key} ({n})" for key, n in heads.items())
+        problems.append(
+            ConfigProblem(
+                "tensor_parallel_size",
+                tp,
+                f"must divide the model's {counts} so each rank gets whole heads. "
+                f"Use one of {', '.join(map(str, divisors))}.",
+            )
+        )
+    return problems
+
+
+def _kvcache_capacity_problem(c: Config, bad: set[str]) -> list[ConfigProblem]:
+    """A user-set num_kvcache_blocks must hold one max_model_len sequence (checked after clamping)."""
+    if bad & {"num_kvcache_blocks", "kvcache_block_size", "max_model_len"}:
+        return []
+    if (
+        c.num_kvcache_blocks < 1
+        or c.kvcache_block_size <= 0
+        or c.kvcache_block_size % 256
+        or c.max_model_len < 1
+    ):
+        return []
+    capacity = c.num_kvcache_blocks * c.kvcache_block_size
+    if capacity >= c.max_model_len:
+        return []
+    minimum = -(-c.max_model_len // c.kvcache_block_size)
+    return [
+        ConfigProblem(
+            "num_kvcache_blocks",
+            c.num_kvcache_blocks,
+            f"holds {capacity} tokens ({c.num_kvcache_blocks} x {c.kvcache_block_size}), fewer than one "
+            f"max_model_len sequence ({c.max_model_len}). Use at least {minimum} blocks, lower max_model_len, "
+            "or -1 to size the cache from memory.",
+        )
+    ]
