@@ -1,0 +1,309 @@
+"""`nanoinfer plan-memory`: will a model fit on a card, and how many sequences at once?
+
+Reads config.json and safetensors headers only (no weights, no GPU needed) and asks memory.py, the
+planner the engine itself uses. Exit codes: 0 fits, 2 bad input, 3 the engine would refuse this setup.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from nanoinfer import memory
+from nanoinfer.cli import app, user_errors
+from nanoinfer.config import field_default, type_problem
+from nanoinfer.config_file import merge_settings
+from nanoinfer.errors import ConfigError, ConfigProblem, ModelLoadError, NanoInferError, OutOfMemoryError
+
+EXIT_DOES_NOT_FIT = 3
+# Config fields plan-memory reads, from flags or the YAML file; defaults are Config's.
+_FIELDS = (
+    "model", "tensor_parallel_size", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "gpu_memory_utilization", "kvcache_block_size", "num_kvcache_blocks",
+)  # fmt: skip
+
+
+@app.command("plan-memory")
+def plan_memory(
+    model: Annotated[
+        str | None, typer.Option(help="Model folder (config.json, safetensors headers).")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="Engine YAML; flags override its values.")] = None,
+    gpu: Annotated[
+        str | None, typer.Option(help="A card from the table: H200, A100-80GB, RTX-4090...")
+    ] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="Device memory: 80GiB, 24GB, 143771MiB.")] = None,
+    tp: Annotated[
+        int | None, typer.Option("--tp", "--tensor-parallel-size", help="GPUs to shard over.")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="bfloat16 | float16 | float32 (auto: bfloat16).")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default 4096).")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Sequences per step (default 512).")] = None,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(help="Tokens per step (default 16384).")
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float | None, typer.Option(help="Fraction usable (default 0.9).")
+    ] = None,
+    kvcache_block_size: Annotated[int | None, typer.Option(help="Tokens per KV block (default 256).")] = None,
+    num_kvcache_blocks: Annotated[
+        int | None, typer.Option(help="Fixed block count (-1: from memory).")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+):
+    """Plan the KV cache for a model on a GPU without loading weights or needing the GPU.
+
+    Shows weights, activation estimate, KV bytes per token, blocks, tokens and max concurrency.
+
+    Answers what fits: the largest max_model_len, the sequences of max_model_len at once, the smallest --tp.
+
+    Name the card with --gpu or --gpu-memory; without either, the CUDA device present is measured.
+
+    Exit codes: 0 fits; 2 bad input (unknown GPU, bad size, bad config); 3 does not fit (the engine would refuse).
+    """
+    flags = {
+        "model": model, "tensor_parallel_size": tp, "dtype": dtype, "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+        "gpu_memory_utilization": gpu_memory_utilization, "kvcache_block_size": kvcache_block_size,
+        "num_kvcache_blocks": num_kvcache_blocks,
+    }  # fmt: skip
+    with user_errors():
+        settings = _settings(flags, config)
+        device = _device_memory(gpu, gpu_memory)
+        report = build_report(settings, device)
+    if json_output:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        _render(report)
+    if not report["fits"]:
+        raise typer.Exit(code=EXIT_DOES_NOT_FIT)
+
+
+def _settings(flags: dict, config_path: Path | None) -> dict:
+    """Flag > YAML > Config default (config_file.merge_settings), checked; adds hf_config and model_dir.
+
+    Not a full Config: that would also pick a device and dtype for this machine, and plan-memory plans
+    for a GPU that need not be here.
+    """
+    file_values, _, problems = merge_settings(config_path, flags)
+    values = {name: file_values.get(name, field_default(name)) for name in _FIELDS}
+    problems += [p for name in _FIELDS if (p := type_problem(name, values[name]))]
+    if problems:
+        raise ConfigError(problems)
+    from nanoinfer.model_source import resolve_model
+
+    model_dir = resolve_model(values["model"])
+    hf_config = _load_hf_config(model_dir)
+    notes = []
+    if values["dtype"] == "auto":
+        values["dtype"] = "bfloat16"
+        notes.append("dtype auto = bfloat16 (as on CUDA)")
+    max_pos = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and values["max_model_len"] > max_pos:
+        notes.append(
+            f"max_model_len clamped from {values['max_model_len']} to max_position_embeddings {max_pos}"
+        )
+        values["max_model_len"] = max_pos
+    _check(values, hf_config)
+    return {**values, "model_dir": model_dir, "hf_config": hf_config, "max_position_embeddings": max_pos,
+            "notes": notes}  # fmt: skip
+
+
+def _load_hf_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the model config in {model_dir}: {e}") from None
+
+
+def _check(values: dict, hf_config) -> None:
+    problems = []
+
+    def need(field, ok, rule):
+        if not ok:
+            problems.append(ConfigProblem(field, values[field], rule))
+
+    tp = values["tensor_parallel_size"]
+    if not 1 <= tp <= 8:
+        need("tensor_parallel_size", False, "must be an integer from 1 to 8.")
+    elif not memory.is_valid_tensor_parallel_size(hf_config, tp):
+        sizes = memory.valid_tensor_parallel_sizes(hf_config, range(1, 9))
+        need(
+            "tensor_parallel_size", False, f"does not split this model's attention heads; use one of {sizes}."
+        )
+    need(
+        "dtype",
+        values["dtype"] in ("float32", "bfloat16", "float16"),
+        "must be bfloat16, float16 or float32.",
+    )
+    for field in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        need(field, values[field] >= 1, "must be a positive integer.")
+    need("gpu_memory_utilization", 0 < values["gpu_memory_utilization"] <= 1, "must be in (0, 1], e.g. 0.9.")
+    block = values["kvcache_block_size"]
+    need("kvcache_block_size", block > 0 and block % 256 == 0, "must be a positive multiple of 256.")
+    blocks = values["num_kvcache_blocks"]
+    need(
+        "num_kvcache_blocks", blocks == -1 or blocks > 0, "must be -1 (size from memory) or a positive count."
+    )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _device_memory(gpu: str | None, gpu_memory: str | None) -> dict:
+    """Total memory and memory used by others, from --gpu, --gpu-memory or the CUDA device present."""
+    if gpu and gpu_memory:
+        raise NanoInferError("pass either --gpu or --gpu-memory, not both.")
+    if gpu:
+        name, total = memory.lookup_gpu(gpu)
+        return {"name": name, "total_bytes": total, "other_bytes": 0,
+                "source": "GPU table (vendor GB = 10^9 bytes), assumed empty"}  # fmt: skip
+    if gpu_memory:
+        return {"name": gpu_memory, "total_bytes": memory.parse_memory_size(gpu_memory), "other_bytes": 0,
+                "source": "--gpu-memory, assumed empty"}  # fmt: skip
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NanoInferError(
+            "no CUDA device here to measure. Name the card with --gpu (one of "
+            f"{', '.join(memory.GPU_TABLE)}) or give its memory with --gpu-memory, e.g. --gpu-memory 24GiB."
+        )
+    free, total = torch.cuda.mem_get_info(0)
+    name = torch.cuda.get_device_properties(0).name
+    return {"name": name, "total_bytes": total, "other_bytes": total - free,
+            "source": "measured on cuda:0 (used = memory taken by other processes)"}  # fmt: skip
+
+
+def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks: int) -> dict:
+    """One planner run for tensor_parallel_size tp; `plan` is None and `error` says why when nothing fits."""
+    hf_config, dtype = s["hf_config"], s["dtype"]
+    inputs = {
+        "weights_bytes": math.ceil(weights_total / tp),  # every weight is sharded except tiny norms
+        "activation_bytes": memory.estimate_activation_bytes(
+            hf_config, s["max_num_batched_tokens"], s["max_num_seqs"], dtype, tp
+        ),
+        "block_bytes": memory.kv_block_bytes(hf_config, s["kvcache_block_size"], tp, dtype),
+    }
+    try:
+        plan = memory.plan_kv_cache(
+            total_bytes=device["total_bytes"], utilization=s["gpu_memory_utilization"],
+            other_bytes=device["other_bytes"], block_size=s["kvcache_block_size"],
+            max_model_len=s["max_model_len"], num_kvcache_blocks=num_kvcache_blocks, **inputs,
+        )  # fmt: skip
+        return {**inputs, "plan": plan, "error": None}
+    except OutOfMemoryError as e:
+        return {**inputs, "plan": None, "error": str(e)}
+
+
+def build_report(s: dict, device: dict) -> dict:
+    """Everything plan-memory shows, JSON-ready."""
+    tp, max_model_len = s["tensor_parallel_size"], s["max_model_len"]
+    weights_total = memory.weights_bytes_from_checkpoint(s["model_dir"], s["dtype"], s["hf_config"])
+    run = _plan(s, device, weights_total, tp, s["num_kvcache_blocks"])
+    plan = run["plan"]
+    budget = memory.kv_budget_bytes(
+        total_bytes=device["total_bytes"], utilization=s["gpu_memory_utilization"],
+        weights_bytes=run["weights_bytes"], activation_bytes=run["activation_bytes"],
+        other_bytes=device["other_bytes"],
+    )  # fmt: skip
+    fits = plan is not None and plan.fits_one_sequence
+    smallest_tp = next(
+        (size for size in memory.valid_tensor_parallel_sizes(s["hf_config"])
+         if (p := _plan(s, device, weights_total, size, -1)["plan"]) is not None and p.fits_one_sequence),
+        None,
+    )  # fmt: skip
+    if fits:
+        verdict = (
+            f"fits: {plan.num_blocks:,} blocks hold {plan.num_tokens:,} tokens, "
+            f"{plan.max_num_seqs_that_fit():,} sequences of max_model_len {max_model_len} at once."
+        )
+    elif plan is None:
+        verdict = f"does not fit: {run['error'].rstrip('.')}."
+    else:
+        verdict = (
+            f"does not fit at max_model_len {max_model_len}: the KV cache holds {plan.num_tokens:,} tokens. "
+            f"Largest max_model_len that fits: {plan.max_model_len_that_fits(s['max_position_embeddings'])}."
+        )
+    if not fits and smallest_tp:
+        verdict += f" Smallest tensor_parallel_size that fits: {smallest_tp}."
+    elif not fits:
+        verdict += " No tensor_parallel_size up to 8 fits on this card."
+    return {
+        "model": str(s["model_dir"]),
+        "device": device["name"],
+        "device_source": device["source"],
+        "total_bytes": device["total_bytes"],
+        "other_bytes": device["other_bytes"],
+        "gpu_memory_utilization": s["gpu_memory_utilization"],
+        "tensor_parallel_size": tp,
+        "dtype": s["dtype"],
+        "max_model_len": max_model_len,
+        "max_num_seqs": s["max_num_seqs"],
+        "max_num_batched_tokens": s["max_num_batched_tokens"],
+        "kvcache_block_size": s["kvcache_block_size"],
+        "num_kvcache_blocks_requested": s["num_kvcache_blocks"],
+        "weights_bytes_total": weights_total,
+        "weights_source": "safetensors headers"
+        if any(Path(s["model_dir"]).glob("*.safetensors"))
+        else "estimated from config.json (no *.safetensors)",
+        "weights_bytes": run["weights_bytes"],
+        "activation_bytes": run["activation_bytes"],
+        "kv_budget_bytes": budget,
+        "kv_bytes_per_token": run["block_bytes"] // s["kvcache_block_size"],
+        "block_bytes": run["block_bytes"],
+        "num_blocks": plan.num_blocks if plan else 0,
+        "num_tokens": plan.num_tokens if plan else 0,
+        "kv_bytes": plan.kv_bytes if plan else 0,
+        "max_concurrency": round(plan.max_concurrency(), 2) if plan else 0.0,
+        "fits": fits,
+        "verdict": verdict,
+        "largest_max_model_len": plan.max_model_len_that_fits(s["max_position_embeddings"]) if plan else 0,
+        "max_num_seqs_at_max_model_len": plan.max_num_seqs_that_fit() if plan else 0,
+        "smallest_tensor_parallel_size": smallest_tp,
+        "notes": s["notes"],
+    }
+
+
+def _render(r: dict) -> None:
+    console = Console(soft_wrap=True, highlight=False)
+    size = memory.format_bytes
+    table = Table(title=f"KV-cache plan: {Path(r['model']).name} on {r['device']}", show_header=False)
+    table.add_column("quantity", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("device memory", f"{size(r['total_bytes'])} ({r['total_bytes']:,} B)"),
+        ("x gpu_memory_utilization", f"{r['gpu_memory_utilization']}"),
+        ("used by others", size(r["other_bytes"])),
+        ("tensor_parallel_size / dtype", f"{r['tensor_parallel_size']} / {r['dtype']}"),
+        ("weights (per rank)", f"{size(r['weights_bytes'])} ({r['weights_bytes']:,} B)"),
+        ("activation peak (estimate)", f"{size(r['activation_bytes'])} ({r['activation_bytes']:,} B)"),
+        ("KV budget", f"{size(r['kv_budget_bytes'])} ({r['kv_budget_bytes']:,} B)"),
+        ("KV bytes per token", f"{r['kv_bytes_per_token']:,}"),
+        (f"block bytes ({r['kvcache_block_size']} tokens)", f"{r['block_bytes']:,}"),
+        ("blocks", f"{r['num_blocks']:,}"),
+        ("tokens", f"{r['num_tokens']:,}"),
+        (f"max concurrency at max_model_len {r['max_model_len']}", f"{r['max_concurrency']:.2f}"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"memory: {r['device_source']}; weights: {r['weights_source']}", markup=False)
+    for note in r["notes"]:
+        console.print(f"note: {note}", markup=False)
+    console.print("[bold]What fits[/bold]")
+    console.print(f"  largest max_model_len: {r['largest_max_model_len']:,}")
+    console.print(
+        f"  sequences of max_model_len {r['max_model_len']} at once: {r['max_num_seqs_at_max_model_len']:,}"
+    )
+    console.print(
+        f"  smallest tensor_parallel_size that fits: {r['smallest_tensor_parallel_size'] or 'none up to 8'}"
+    )
+    console.print(Text.assemble(("verdict: ", "bold green" if r["fits"] else "bold red"), r["verdict"]))
