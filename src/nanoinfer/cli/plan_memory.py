@@ -18,6 +18,16 @@ from rich.text import Text
 
 from nanoinfer import memory
 from nanoinfer.cli import app, user_errors
+from nanoinfer.cli.check_config import (
+    DtypeFlag,
+    GpuMemoryUtilizationFlag,
+    KvcacheBlockSizeFlag,
+    MaxModelLenFlag,
+    MaxNumBatchedTokensFlag,
+    MaxNumSeqsFlag,
+    ModelFlag,
+    NumKvcacheBlocksFlag,
+)
 from nanoinfer.config import field_default, type_problem
 from nanoinfer.config_file import merge_settings
 from nanoinfer.errors import ConfigError, ConfigProblem, ModelLoadError, NanoInferError, OutOfMemoryError
@@ -32,30 +42,22 @@ _FIELDS = (
 
 @app.command("plan-memory")
 def plan_memory(
-    model: Annotated[
-        str | None, typer.Option(help="Model folder (config.json, safetensors headers).")
-    ] = None,
+    model: ModelFlag = None,
     config: Annotated[Path | None, typer.Option(help="Engine YAML; flags override its values.")] = None,
     gpu: Annotated[
         str | None, typer.Option(help="A card from the table: H200, A100-80GB, RTX-4090...")
     ] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="Device memory: 80GiB, 24GB, 143771MiB.")] = None,
     tp: Annotated[
-        int | None, typer.Option("--tp", "--tensor-parallel-size", help="GPUs to shard over.")
+        int | None, typer.Option("--tp", "--tensor-parallel-size", help="Ranks (GPUs) to shard over, 1..8.")
     ] = None,
-    dtype: Annotated[str | None, typer.Option(help="bfloat16 | float16 | float32 (auto: bfloat16).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default 4096).")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Sequences per step (default 512).")] = None,
-    max_num_batched_tokens: Annotated[
-        int | None, typer.Option(help="Tokens per step (default 16384).")
-    ] = None,
-    gpu_memory_utilization: Annotated[
-        float | None, typer.Option(help="Fraction usable (default 0.9).")
-    ] = None,
-    kvcache_block_size: Annotated[int | None, typer.Option(help="Tokens per KV block (default 256).")] = None,
-    num_kvcache_blocks: Annotated[
-        int | None, typer.Option(help="Fixed block count (-1: from memory).")
-    ] = None,
+    dtype: DtypeFlag = None,
+    max_model_len: MaxModelLenFlag = None,
+    max_num_seqs: MaxNumSeqsFlag = None,
+    max_num_batched_tokens: MaxNumBatchedTokensFlag = None,
+    gpu_memory_utilization: GpuMemoryUtilizationFlag = None,
+    kvcache_block_size: KvcacheBlockSizeFlag = None,
+    num_kvcache_blocks: NumKvcacheBlocksFlag = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ):
     """Plan the KV cache for a model on a GPU without loading weights or needing the GPU.
@@ -65,6 +67,7 @@ def plan_memory(
     Answers what fits: the largest max_model_len, the sequences of max_model_len at once, the smallest --tp.
 
     Name the card with --gpu or --gpu-memory; without either, the CUDA device present is measured.
+    --dtype auto means bfloat16, as on CUDA.
 
     Exit codes: 0 fits; 2 bad input (unknown GPU, bad size, bad config); 3 does not fit (the engine would refuse).
     """
@@ -147,6 +150,12 @@ def _check(values: dict, hf_config) -> None:
     )
     for field in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         need(field, values[field] >= 1, "must be a positive integer.")
+    if values["max_num_seqs"] >= 1:
+        need(
+            "max_num_batched_tokens",
+            values["max_num_batched_tokens"] >= values["max_num_seqs"],
+            f"must be >= max_num_seqs ({values['max_num_seqs']}): each scheduled sequence takes a token.",
+        )
     need("gpu_memory_utilization", 0 < values["gpu_memory_utilization"] <= 1, "must be in (0, 1], e.g. 0.9.")
     block = values["kvcache_block_size"]
     need("kvcache_block_size", block > 0 and block % 256 == 0, "must be a positive multiple of 256.")
