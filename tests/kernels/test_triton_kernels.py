@@ -1,0 +1,201 @@
+"""The Triton kernels against attention/reference.py: KV-cache store, paged decode, paged prefill, and the
+TritonBackend that dispatches between them. On CPU they run in Triton's interpreter (see conftest.py).
+
+Shapes stay small (few heads, few sequences) because the interpreter runs each program in Python, but every
+case crosses a block boundary and reads blocks handed out in shuffled order.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
+
+from nanoinfer.attention import triton_backend
+from nanoinfer.attention.reference import paged_attention_reference, store_kvcache_reference
+from nanoinfer.attention.triton_backend import TritonBackend
+from nanoinfer.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+
+# float32 must match the oracle to rounding; bfloat16 rounds the softmax weights before P @ V, as
+# flash-attention does, so it gets a few bfloat16 ulps (one ulp at 1.0 is 0.0078).
+TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def assert_matches_reference(out, batch, rows=slice(None)):
+    scale = batch.query.shape[-1] ** -0.5
+    expected = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale)
+    assert out.dtype == batch.query.dtype
+    torch.testing.assert_close(out[rows].float(), expected[rows].float(), **TOLERANCES[batch.query.dtype])
+
+
+# --- KV-cache store ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_writes_each_token_to_its_slot_and_skips_padding(paged_batch, dtype):
+    batch = paged_batch([(0, 20), (250, 12), (3, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=256,
+                        dtype=dtype)
+    slot_mapping = batch.metadata.slot_mapping.clone()
+    slot_mapping[[0, 7, 20]] = -1  # padding tokens, e.g. a CUDA-graph batch filled up to its bucket size
+    # key/value as strided views of one fused tensor, as the model's QKV projection produces them.
+    fused = torch.cat([batch.key, batch.value], dim=1)  # [num_tokens, 2 * H_kv, D]
+    key, value = fused[:, :2], fused[:, 2:]
+    assert not key.is_contiguous()
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    store_kvcache_reference(key, value, expected_k, expected_v, slot_mapping)
+
+    store_kvcache(key, value, batch.k_cache, batch.v_cache, slot_mapping)
+
+    assert torch.equal(batch.k_cache, expected_k)
+    assert torch.equal(batch.v_cache, expected_v)
+
+
+def test_store_rejects_key_dtype_that_differs_from_the_cache(paged_batch):
+    batch = paged_batch([(0, 4)], num_heads=2, num_kv_heads=2, head_dim=64, block_size=256)
+    with pytest.raises(ValueError, match="key dtype torch.bfloat16 != cache dtype torch.float32"):
+        store_kvcache(batch.key.bfloat16(), batch.value, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+
+
+# --- paged decode -----------------------------------------------------------------------------------
+
+# (num_heads, num_kv_heads, head_dim, block_size, seq_lens): GQA ratios 1, 2, 4; lengths on, just past and
+# well past block boundaries; a 1-token context.
+DECODE_CASES = [
+    pytest.param(2, 2, 64, 256, [1, 256, 257, 700], id="gqa1-d64-bs256"),
+    pytest.param(4, 2, 128, 512, [511, 512, 1100], id="gqa2-d128-bs512"),
+    pytest.param(8, 2, 64, 512, [40, 513], id="gqa4-d64-bs512"),
+    pytest.param(4, 1, 128, 256, [300, 5], id="gqa4-d128-bs256"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size", "seq_lens"), DECODE_CASES)
+@pytest.mark.parametrize("num_splits", [pytest.param(1, id="one-split"), pytest.param(3, id="three-splits")])
+def test_decode_matches_reference(paged_batch, dtype, num_heads, num_kv_heads, head_dim, block_size, seq_lens,
+                                  num_splits):
+    batch = paged_batch([(seq_len - 1, 1) for seq_len in seq_lens], num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
+    md = batch.metadata
+    out = paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                 md.max_seq_len, head_dim**-0.5, num_splits=num_splits)
+    assert_matches_reference(out, batch)
+
+
+def test_decode_splits_a_long_context_by_default_and_merges_exactly(paged_batch):
+    # One sequence, one KV head: the default picks several splits to fill the device; short sequences in the
+    # same batch leave most of their splits empty.
+    batch = paged_batch([(1499, 1), (9, 1)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=256)
+    md = batch.metadata
+    out = paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                 md.max_seq_len, 0.125)
+    assert_matches_reference(out, batch)
+
+
+def test_decode_writes_zeros_for_a_padded_sequence_with_empty_context(paged_batch):
+    # CUDA-graph batches are padded with seq_len 0 entries; they must not produce NaN.
+    batch = paged_batch([(299, 1), (0, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=256)
+    md = batch.metadata
+    md.seq_lens[1] = 0
+    for num_splits in (1, 2):
+        out = paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                     md.max_seq_len, 0.125, num_splits=num_splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        md.seq_lens[1] = 1
+        assert_matches_reference(out, batch, rows=slice(0, 1))
+        md.seq_lens[1] = 0
+
+
+# --- paged prefill over a cached prefix -------------------------------------------------------------
+
+# (num_heads, num_kv_heads, head_dim, block_size, specs), specs = (cached tokens, query tokens) per sequence:
+# fresh prompts, chunks of a prompt whose prefix is cached (crossing block boundaries), decode tokens and
+# 1-token prompts, all in one batch.
+PREFILL_CASES = [
+    pytest.param(2, 2, 64, 256, [(0, 37), (250, 20), (300, 1), (0, 1)], id="gqa1-d64-bs256"),
+    pytest.param(4, 2, 128, 512, [(400, 130), (512, 3), (0, 20)], id="gqa2-d128-bs512"),
+    pytest.param(8, 2, 64, 256, [(10, 70), (0, 5), (511, 2)], id="gqa4-d64-bs256"),
+    pytest.param(4, 1, 128, 512, [(200, 100), (1, 1)], id="gqa4-d128-bs512"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size", "specs"), PREFILL_CASES)
+def test_prefill_matches_reference(paged_batch, dtype, num_heads, num_kv_heads, head_dim, block_size, specs):
+    batch = paged_batch(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        block_size=block_size, dtype=dtype)
+    md = batch.metadata
+    out = paged_prefill_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                  md.query_start_loc, md.max_query_len, head_dim**-0.5)
+    assert_matches_reference(out, batch)
+
+
+def test_prefill_with_small_query_tiles_covers_every_token(paged_batch):
+    # block_m 16 with 4 query heads per KV head: 4 tokens per tile, so a sequence spans many tiles whose
+    # causal limits all differ; a strided query (a view of a fused QKV output) too.
+    batch = paged_batch([(5, 30), (256, 9)], num_heads=8, num_kv_heads=2, head_dim=64, block_size=256)
+    md = batch.metadata
+    fused = torch.cat([batch.query, batch.query[:, :1]], dim=1)
+    query = fused[:, :8]
+    assert not query.is_contiguous()
+    out = paged_prefill_attention(query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                  md.query_start_loc, md.max_query_len, 0.125, block_m=16)
+    assert_matches_reference(out, batch)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "change", "message"),
+    [
+        (64, lambda b: setattr(b.metadata, "block_tables", b.metadata.block_tables.long()),
+         "block_tables must be int32"),
+        (48, lambda b: None, "head_dim 48 must be a power of two"),
+        (64, lambda b: setattr(b, "k_cache", b.k_cache.half()), "dtypes torch.float32/torch.float16/torch.float32"),
+    ],
+    ids=["int64-block-tables", "head-dim-48", "mixed-dtypes"],
+)
+def test_attention_launchers_reject_bad_inputs_before_launch(paged_batch, head_dim, change, message):
+    batch = paged_batch([(3, 2)], num_heads=2, num_kv_heads=2, head_dim=head_dim, block_size=256)
+    change(batch)
+    md = batch.metadata
+    with pytest.raises(ValueError, match=message):
+        paged_prefill_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                md.query_start_loc, md.max_query_len, 0.125)
+
+
+# --- TritonBackend ----------------------------------------------------------------------------------
+
+
+def spy_on(monkeypatch, name):
+    calls = []
+    original = getattr(triton_backend, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("specs", "kernel"),
+    [
+        pytest.param([(299, 1), (4, 1), (511, 1)], "paged_decode_attention", id="pure-decode"),
+        pytest.param([(299, 1), (0, 12), (250, 9)], "paged_prefill_attention", id="mixed"),
+    ],
+)
+def test_backend_stores_then_attends_like_the_reference(paged_batch, monkeypatch, specs, kernel):
+    batch = paged_batch(specs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=256)
+    decode_calls = spy_on(monkeypatch, "paged_decode_attention")
+    prefill_calls = spy_on(monkeypatch, "paged_prefill_attention")
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    store_kvcache_reference(batch.key, batch.value, expected_k, expected_v, batch.metadata.slot_mapping)
+    backend = TritonBackend()
+
+    backend.store_kvcache(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+    out = backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.125,
+                          new_kv=(batch.key, batch.value))
+
+    assert torch.equal(batch.k_cache, expected_k)
+    assert decode_calls + prefill_calls == [kernel]
+    expected = paged_attention_reference(batch.query, expected_k, expected_v, batch.metadata, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
