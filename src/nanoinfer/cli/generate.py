@@ -1,0 +1,503 @@
+"""`nanoinfer generate`: stream a JSONL file of prompts through the engine into a JSONL file of records.
+
+Checks the files, the config and the resume manifest before any model loads, then reads the input lazily,
+keeps at most --max-in-flight requests in the engine and writes each record as its request finishes.
+Parsing lines and writing records is `nanoinfer.batch`'s job; the bar and summary are `nanoinfer.progress`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nanoinfer import batch
+from nanoinfer.cli import app, err_console, user_errors
+from nanoinfer.cli.check_config import (
+    AttentionBackendFlag,
+    CpuKvcacheSpaceGibFlag,
+    DeviceFlag,
+    DtypeFlag,
+    EnablePrefixCachingFlag,
+    EnforceEagerFlag,
+    GpuMemoryUtilizationFlag,
+    KvcacheBlockSizeFlag,
+    MaxModelLenFlag,
+    MaxNumBatchedTokensFlag,
+    MaxNumSeqsFlag,
+    ModelFlag,
+    NumKvcacheBlocksFlag,
+    NumThreadsFlag,
+    SeedFlag,
+    TensorParallelSizeFlag,
+    TrustRemoteCodeFlag,
+)
+from nanoinfer.errors import BatchFileError, RequestError
+from nanoinfer.progress import JobProgress
+
+MAX_IN_FLIGHT_CAP = 4096  # the default is 4 x max_num_seqs, at most this
+_SAMPLING = "Sampling defaults (a line's own fields win)"
+
+
+def _opt(*names: str, help: str, panel: str | None = None):
+    return typer.Option(*names, help=help, rich_help_panel=panel)
+
+
+@dataclass
+class Job:
+    """Everything checked before the model loads."""
+
+    input_path: Path | None  # None: stdin
+    output_path: Path | None  # None: stdout
+    config: object
+    sampling_defaults: dict
+    resume: bool
+    overwrite: bool
+    max_in_flight: int
+    total: int | None = None
+    manifest: dict | None = None
+
+
+class Stopper:
+    """SIGINT/SIGTERM: the first stops admitting work (the loop then exits cleanly); a second exits at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.started = False  # past loading: from here on an interrupt is handled by the loop
+        self._previous = {}
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    @property
+    def stopping(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or 0)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            # Every record written so far is already in the kernel (one write() each): safe to leave now.
+            os.write(2, b"\nnanoinfer generate: second interrupt, exiting now. Resume with --resume.\n")
+            os._exit(128 + signum)
+        self.signum = signum
+        if not self.started:
+            raise KeyboardInterrupt  # still checking or loading: nothing to flush
+        os.write(2, b"\nnanoinfer generate: stopping after this step (interrupt again to exit at once)\n")
+
+
+@app.command("generate")
+def generate(
+    input: Annotated[
+        str,
+        typer.Argument(help="JSONL file of prompts, or - for stdin.", metavar="INPUT", show_default=False),
+    ],
+    output: Annotated[str, typer.Option("--output", "-o", help="JSONL file of records, or - for stdout.")],
+    config: Annotated[Path | None, typer.Option(help="Engine YAML; flags override its values.")] = None,
+    model: ModelFlag = None,
+    max_num_batched_tokens: MaxNumBatchedTokensFlag = None,
+    max_num_seqs: MaxNumSeqsFlag = None,
+    max_model_len: MaxModelLenFlag = None,
+    gpu_memory_utilization: GpuMemoryUtilizationFlag = None,
+    tensor_parallel_size: TensorParallelSizeFlag = None,
+    enforce_eager: EnforceEagerFlag = None,
+    kvcache_block_size: KvcacheBlockSizeFlag = None,
+    num_kvcache_blocks: NumKvcacheBlocksFlag = None,
+    device: DeviceFlag = None,
+    dtype: DtypeFlag = None,
+    attention_backend: AttentionBackendFlag = None,
+    seed: SeedFlag = None,
+    cpu_kvcache_space_gib: CpuKvcacheSpaceGibFlag = None,
+    enable_prefix_caching: EnablePrefixCachingFlag = None,
+    num_threads: NumThreadsFlag = None,
+    trust_remote_code: TrustRemoteCodeFlag = None,
+    temperature: Annotated[
+        float | None, _opt("--temperature", help="0 = greedy (default 1.0).", panel=_SAMPLING)
+    ] = None,
+    top_p: Annotated[
+        float | None, _opt("--top-p", help="Nucleus sampling, in (0, 1].", panel=_SAMPLING)
+    ] = None,
+    top_k: Annotated[int | None, _opt("--top-k", help="Top-k filtering; -1 = off.", panel=_SAMPLING)] = None,
+    min_p: Annotated[
+        float | None, _opt("--min-p", help="Min-probability filtering.", panel=_SAMPLING)
+    ] = None,
+    max_tokens: Annotated[
+        int | None,
+        _opt(
+            "--max-tokens",
+            help=f"Most tokens to generate per sequence (default {batch.DEFAULT_MAX_TOKENS}).",
+            panel=_SAMPLING,
+        ),
+    ] = None,
+    min_tokens: Annotated[
+        int | None, _opt("--min-tokens", help="Stop conditions wait for this many tokens.", panel=_SAMPLING)
+    ] = None,
+    repetition_penalty: Annotated[
+        float | None, _opt("--repetition-penalty", help="HF-style, > 1 discourages repeats.", panel=_SAMPLING)
+    ] = None,
+    presence_penalty: Annotated[
+        float | None, _opt("--presence-penalty", help="OpenAI-style, in [-2, 2].", panel=_SAMPLING)
+    ] = None,
+    frequency_penalty: Annotated[
+        float | None, _opt("--frequency-penalty", help="OpenAI-style, in [-2, 2].", panel=_SAMPLING)
+    ] = None,
+    stop: Annotated[
+        list[str] | None, _opt("--stop", help="A stop string (repeat for several).", panel=_SAMPLING)
+    ] = None,
+    ignore_eos: Annotated[
+        bool | None, _opt("--ignore-eos/--no-ignore-eos", help="Generate past EOS.", panel=_SAMPLING)
+    ] = None,
+    n: Annotated[int | None, _opt("--n", help="Sequences per prompt.", panel=_SAMPLING)] = None,
+    logprobs: Annotated[
+        int | None,
+        _opt("--logprobs", help="Return each token's logprob and this many alternatives.", panel=_SAMPLING),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted job into OUTPUT.")
+    ] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress bar; a plain log line every 10 s.")
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the final summary as JSON on stdout (stderr when -o -).")
+    ] = False,
+    max_in_flight: Annotated[
+        int | None,
+        typer.Option(
+            "--max-in-flight",
+            help=f"Most requests in the engine at once (default 4 x max_num_seqs, at most {MAX_IN_FLIGHT_CAP}).",
+        ),
+    ] = None,
+):
+    """Generate a completion for every line of a JSONL file, writing one JSONL record per line.
+
+    Input lines: {"prompt": "..."}, {"messages": [...]} (chat template) or {"prompt_token_ids": [...]},
+    with an optional "id" (default "line-N") and optional sampling fields (temperature, top_p, top_k,
+    min_p, max_tokens, stop, seed, n, ignore_eos, logprobs, ...) that override the flags below. OpenAI
+    batch lines ({"custom_id", "method", "url", "body"} for /v1/chat/completions or /v1/completions) are
+    answered in the OpenAI batch output format.
+
+    Records are written as requests finish: {"id", "line", "text", "finish_reason", "stop_reason",
+    "usage", "error"} ("choices" instead of "text" when n > 1). A bad line gets a record whose "error" has a
+    code and a message naming the line; the job goes on. max_tokens defaults to 256.
+
+    Interrupted (Ctrl-C, kill -9, power loss)? Run the same command with --resume: finished records are
+    kept, a torn last line is cut, the rest is generated. Exit codes: 0 done (even if some lines had
+    errors), 2 bad files or config (before any model loads), 130/143 interrupted by SIGINT/SIGTERM.
+    """
+    overrides = {
+        "model": model,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "tensor_parallel_size": tensor_parallel_size,
+        "enforce_eager": enforce_eager,
+        "kvcache_block_size": kvcache_block_size,
+        "num_kvcache_blocks": num_kvcache_blocks,
+        "device": device,
+        "dtype": dtype,
+        "attention_backend": attention_backend,
+        "seed": seed,
+        "cpu_kvcache_space_gib": cpu_kvcache_space_gib,
+        "enable_prefix_caching": enable_prefix_caching,
+        "num_threads": num_threads,
+        "trust_remote_code": trust_remote_code,
+    }
+    flags = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "stop": stop or None,
+        "ignore_eos": ignore_eos,
+        "n": n,
+        "logprobs": logprobs,
+    }
+    stopper = Stopper()
+    stopper.install()
+    try:
+        with user_errors():
+            job = prepare_job(input, output, config, overrides, flags, resume, overwrite, max_in_flight)
+            llm = load_llm(job.config)
+        code = run_job(job, llm, stopper, quiet=quiet, json_output=json_output)
+    except KeyboardInterrupt:
+        code = stopper.exit_code if stopper.signum else 130
+        err_console.print("nanoinfer generate: interrupted before generation started; nothing was written.")
+    finally:
+        stopper.restore()
+    if code:
+        raise typer.Exit(code=code)
+
+
+# ---- before the model loads ---------------------------------------------------------------------------------
+def prepare_job(
+    input: str,
+    output: str,
+    config_path: Path | None,
+    overrides: dict,
+    flags: dict,
+    resume: bool,
+    overwrite: bool,
+    max_in_flight: int | None,
+) -> Job:
+    """Every file-level and config check; raises a NanoInferError (exit 2) before anything is loaded."""
+    from nanoinfer.config_file import build_config
+
+    if resume and overwrite:
+        raise BatchFileError(
+            "--resume and --overwrite contradict each other: --resume continues OUTPUT, "
+            "--overwrite starts it over. Pass one of them."
+        )
+    input_path = None if input == "-" else Path(input)
+    output_path = None if output == "-" else Path(output)
+    if input_path is not None and not input_path.is_file():
+        what = "is a folder" if input_path.is_dir() else "does not exist"
+        raise BatchFileError(f"input file {input_path} {what}. Pass a JSONL file of prompts, or - for stdin.")
+    if output_path is None and resume:
+        raise BatchFileError(
+            "--resume needs an output file: records written to stdout cannot be resumed. Pass -o FILE."
+        )
+    if input_path is None and resume:
+        raise BatchFileError(
+            "--resume needs an input file: stdin cannot be read again to check it is the "
+            "same input. Save it to a file first."
+        )
+    if output_path is not None:
+        _check_output_path(input_path, output_path, resume, overwrite)
+    sampling_defaults = {k: v for k, v in flags.items() if v is not None}
+    sampling_defaults.setdefault("max_tokens", batch.DEFAULT_MAX_TOKENS)
+    try:
+        from nanoinfer.sampling_params import SamplingParams
+
+        SamplingParams(**sampling_defaults)
+    except RequestError as e:
+        raise RequestError(f"the sampling flags are invalid: {e}") from None
+    config = build_config(config_path, overrides)
+    if max_in_flight is None:
+        max_in_flight = min(4 * config.max_num_seqs, MAX_IN_FLIGHT_CAP)
+    elif max_in_flight < 1:
+        raise BatchFileError(f"--max-in-flight must be >= 1, got {max_in_flight}.")
+    job = Job(input_path, output_path, config, sampling_defaults, resume, overwrite, max_in_flight)
+    if input_path is not None and output_path is None:
+        job.total = batch.scan_input(input_path)[1]
+    if output_path is not None:
+        sha256, num_lines = batch.scan_input(input_path) if input_path is not None else (None, None)
+        job.total = num_lines
+        job.manifest = batch.make_manifest(
+            input_path or Path("-"), sha256, num_lines, config, sampling_defaults
+        )
+        if resume and output_path.exists():
+            _check_manifest(output_path, job.manifest)
+    return job
+
+
+def _check_output_path(input_path: Path | None, output_path: Path, resume: bool, overwrite: bool) -> None:
+    if not output_path.parent.is_dir():
+        raise BatchFileError(
+            f"the folder of the output file, {output_path.parent}, does not exist. Create it "
+            "or pass another -o."
+        )
+    if output_path.is_dir():
+        raise BatchFileError(f"output {output_path} is a folder; pass a file path to -o.")
+    if input_path is not None and (
+        output_path.resolve() == input_path.resolve()
+        or (output_path.exists() and output_path.samefile(input_path))
+    ):
+        raise BatchFileError(
+            f"the output {output_path} is the input file; writing to it would destroy the "
+            "prompts. Pass another -o."
+        )
+    if output_path.exists() and not (resume or overwrite):
+        raise BatchFileError(
+            f"output {output_path} already exists. Pass --resume to continue that job, or "
+            "--overwrite to replace the file."
+        )
+
+
+def _check_manifest(output_path: Path, manifest: dict) -> None:
+    path = batch.manifest_path(output_path)
+    if not path.is_file():
+        raise BatchFileError(
+            f"cannot resume {output_path}: its manifest {path} is missing, so nothing shows "
+            "which input, model and settings produced it. Pass --overwrite to start over, "
+            "or move the file away."
+        )
+    differences = batch.manifest_differences(batch.read_manifest(path), manifest)
+    if differences:
+        lines = "\n".join(f"  - {d}" for d in differences)
+        raise BatchFileError(
+            f"cannot resume {output_path}: it was started with other inputs or settings, and "
+            f"mixing them would give a file of inconsistent records:\n{lines}\nRun the "
+            "command it was started with, or pass --overwrite to start over."
+        )
+
+
+def load_llm(config):
+    from nanoinfer.llm import LLM
+
+    return LLM(config=config)
+
+
+# ---- the loop -------------------------------------------------------------------------------------------------
+def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: bool = False) -> int:
+    """Start (or resume) the output, stream the input through `llm`; returns the exit code."""
+    stopper.started = True
+    done_lines = _start_output(job)
+    plain = quiet or not sys.stderr.isatty()
+    progress = JobProgress(job.total, num_skipped=len(done_lines), plain=plain)
+    where = "stdout" if job.output_path is None else str(job.output_path)
+    if not quiet:
+        lines = f"{job.total} lines" if job.total is not None else "stdin"
+        _note(f"nanoinfer generate: {lines} -> {where} with {job.config.model}")
+    writer = batch.RecordWriter(
+        job.output_path, stdout=sys.stdout.buffer if job.output_path is None else None
+    )
+    with contextlib.ExitStack() as stack:
+        stack.callback(writer.close)  # fsync at exit, also when the loop raises
+        stream = (
+            sys.stdin.buffer if job.input_path is None else stack.enter_context(open(job.input_path, "rb"))
+        )
+        reader = batch.BatchReader(stream, job.sampling_defaults, done_lines)
+        with progress:
+            stream_requests(llm, reader, writer, progress, job.max_in_flight, stopper)
+    if stopper.stopping:
+        name = signal.Signals(stopper.signum).name
+        total = f" of {job.total}" if job.total is not None else ""
+        how = (
+            "Run the same command with --resume to finish the job."
+            if job.output_path is not None
+            else "Output went to stdout, so it cannot be resumed; rerun with -o FILE."
+        )
+        _note(f"{name}: stopped. {len(done_lines) + progress.num_done}{total} records are in {where}. {how}")
+        return stopper.exit_code
+    _note(f"done: {progress.summary_text()}; wrote {where}")
+    if json_output:
+        summary = {**progress.summary(), "output": where, "model": job.config.model}
+        print(json.dumps(summary), file=sys.stdout if job.output_path is not None else sys.stderr, flush=True)
+    return 0
+
+
+def _start_output(job: Job) -> set[int]:
+    """Resume (cut a torn tail, collect answered lines) or start the output; write the manifest first."""
+    if job.output_path is None:
+        return set()
+    done_lines: set[int] = set()
+    if job.resume and job.output_path.exists():
+        state = batch.prepare_resume(job.output_path)
+        done_lines = state.done_lines
+        message = f"resuming {job.output_path}: {len(done_lines)} records already written"
+        if state.num_cut_bytes:
+            message += f"; cut {state.num_cut_bytes} bytes of a torn or unreadable tail"
+        if state.num_dropped_records:
+            message += f" ({state.num_dropped_records} records after it will be redone)"
+        _note(message)
+    elif job.output_path.exists():
+        job.output_path.unlink()  # --overwrite: old records go first, so no new manifest vouches for them
+    batch.write_manifest(batch.manifest_path(job.output_path), job.manifest)
+    return done_lines
+
+
+def stream_requests(
+    llm,
+    reader: batch.BatchReader,
+    writer: batch.RecordWriter,
+    progress: JobProgress,
+    max_in_flight: int,
+    stopper: Stopper,
+) -> None:
+    """Admit lines while fewer than max_in_flight requests are in the engine; write each one as it ends."""
+    pending: dict[str, batch.BatchRequest] = {}
+    items = iter(reader)
+    exhausted = False
+    decode = _token_decoder(llm.tokenizer)
+    while not stopper.stopping:
+        while not exhausted and len(pending) < max_in_flight and not stopper.stopping:
+            item = next(items, None)
+            if item is None:
+                exhausted = True
+            elif isinstance(item, batch.LineError):
+                _write(writer, progress, batch.error_record(item), None, True)
+            else:
+                error = _admit(llm, item)
+                if error is None:
+                    pending[str(item.line)] = item
+                else:
+                    _write(writer, progress, batch.error_record(error), None, True)
+        if not pending:
+            break
+        outputs, stats = llm.step()
+        progress.on_step(stats.num_prefill_tokens, stats.num_decode_tokens, stats.num_preempted)
+        for output in outputs:
+            request = pending.pop(output.request_id)
+            if output.finish_reason == "error":
+                error = batch.LineError(
+                    request.line,
+                    request.id,
+                    request.kind,
+                    "request_failed",
+                    f"line {request.line}: {output.error}",
+                )
+                _write(writer, progress, batch.error_record(error), None, True)
+            else:
+                _write(writer, progress, batch.result_record(request, output, decode), output.usage, False)
+        writer.sync_if_due()
+
+
+def _admit(llm, request: batch.BatchRequest) -> batch.LineError | None:
+    """Tokenize and queue one request, or say why it cannot be served."""
+    code = "request_failed"
+    try:
+        if request.prompt_token_ids is not None:
+            code = "out_of_vocabulary"
+            token_ids = llm.check_token_ids(request.prompt_token_ids)
+        elif request.messages is not None:
+            code = "chat_template_error"
+            token_ids = llm.encode(llm.apply_chat_template(request.messages))
+        else:
+            token_ids = llm.encode(request.prompt)
+        max_model_len = llm.config.max_model_len
+        if len(token_ids) >= max_model_len:
+            code = "prompt_too_long"
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len} "
+                "(prompt plus output). Shorten the prompt or raise --max-model-len."
+            )
+        code = "request_failed"
+        llm.add_request(token_ids, request.params, request_id=str(request.line))
+    except RequestError as e:
+        return batch.LineError(request.line, request.id, request.kind, code, f"line {request.line}: {e}")
+    return None
+
+
+def _write(writer, progress, record: dict, usage: dict | None, is_error: bool) -> None:
+    writer.write(record)
+    progress.on_record(usage, is_error)
+
+
+def _token_decoder(tokenizer):
+    return lambda token_id: tokenizer.decode([token_id])
+
+
+def _note(message: str) -> None:
+    err_console.print(message, markup=False, highlight=False)
