@@ -11,6 +11,7 @@ Accumulation is float32; softmax runs in base 2 (exp2) with the scale folded int
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,7 +31,7 @@ def _attend_kv_range(
     kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
     kv_start, kv_end,  # key positions [kv_start, kv_end); kv_start is a multiple of TILE_N
     block_size, qk_scale,  # qk_scale = softmax scale * log2(e)
-    HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -47,7 +48,7 @@ def _attend_kv_range(
         if UPCAST:  # the Triton interpreter cannot multiply bfloat16; same values, float32 arithmetic
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, TILE_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N]
         visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite (-1e30), so fully masked rows stay finite
@@ -58,7 +59,7 @@ def _attend_kv_range(
         p = p.to(k_cache_ptr.dtype.element_ty)
         if UPCAST:
             p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -71,7 +72,7 @@ def _paged_decode_kernel(
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     num_queries_per_kv, block_size, partition_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, TILE_N: tl.constexpr,
-    IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -99,7 +100,7 @@ def _paged_decode_kernel(
     acc, m_i, l_i = _attend_kv_range(
         q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table_seq,
         kv_head, stride_cache_block, stride_cache_token, stride_cache_head, kv_start, kv_end, block_size, qk_scale,
-        HEAD_DIM, TILE_N, UPCAST,
+        HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION,
     )
     # l_i is 0 only for an empty context (a padded batch slot): write zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -152,6 +153,7 @@ def _paged_prefill_kernel(
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     num_queries_per_kv, tokens_per_tile, block_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -181,7 +183,7 @@ def _paged_prefill_kernel(
     acc, m_i, l_i = _attend_kv_range(
         q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table_seq,
         kv_head, stride_cache_block, stride_cache_token, stride_cache_head, 0, num_cached + tile_last + 1,
-        block_size, qk_scale, HEAD_DIM, TILE_N, UPCAST,
+        block_size, qk_scale, HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION,
     )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offs = (q_begin + token).to(tl.int64)[:, None] * stride_out_token + head[:, None] * stride_out_head
@@ -228,7 +230,6 @@ def paged_decode_attention(
     else:
         split_out = split_lse = out  # unused by the kernel; any tensor keeps the signature
     group = num_heads // num_kv_heads
-    upcast = _needs_upcast(query)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, split_out, split_lse, query, k_cache, v_cache, block_tables, seq_lens,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -236,7 +237,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         group, block_size, partition_size, scale * _LOG2_E,
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), TILE_N=tile_n,
-        IS_SPLIT=is_split, UPCAST=upcast,
+        IS_SPLIT=is_split, UPCAST=_needs_upcast(query), DOT_PRECISION=_dot_precision(query),
     )
     if is_split:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -290,6 +291,7 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         group, tokens_per_tile, block_size, scale * _LOG2_E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, TILE_N=_tile_size(block_size), UPCAST=_needs_upcast(query),
+        DOT_PRECISION=_dot_precision(query),
     )
     return out
 
@@ -346,10 +348,17 @@ def _tile_size(block_size: int) -> int:
     return tile
 
 
+@functools.lru_cache
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 16
+
+
+def _dot_precision(query: torch.Tensor) -> str:
+    # float32 models are for checking against float32 references: exact products, not TF32. For 16-bit
+    # inputs the setting is moot; "tf32" is Triton's default.
+    return "ieee" if query.dtype == torch.float32 else "tf32"
 
 
 def _needs_upcast(query: torch.Tensor) -> bool:
