@@ -1,7 +1,8 @@
 """Kernel tests run the Triton kernels in Triton's interpreter on CPU, so CI checks them without a GPU.
 
-TRITON_INTERPRET must be set before triton is first imported, hence at import time here. On a CUDA machine,
-run with TRITON_INTERPRET=0 to check the same tests against the compiled kernels.
+TRITON_INTERPRET must be set before the kernels are first imported, hence at import time here; it then holds
+for the whole pytest process. On a CUDA machine, run with TRITON_INTERPRET=0 to check the same tests against
+the compiled kernels (and to keep the interpreter away from other GPU tests in the same run).
 """
 
 import os
