@@ -1,0 +1,100 @@
+"""Small builders for engine tests: requests, sequences and schedulers with tiny defaults, knobs as keywords,
+plus a model-free step driver (the test chooses the "sampled" tokens).
+
+Block sizes: the product config wants a multiple of 256, but BlockManager takes any size. Scheduler tests
+that mirror real configs use 256 (the default here); hand-written block-manager scenarios use 4 so the token
+lists stay readable.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.scheduler import Scheduler, SchedulerOutput
+from nanoinfer.engine.sequence import Request, Sequence
+from nanoinfer.sampling_params import SamplingParams
+
+EOS = 2  # the eos id every make_scheduler() knows unless told otherwise
+
+_request_ids = itertools.count()
+
+
+def make_request(
+    prompt_token_ids: list[int] | None = None,
+    *,
+    num_prompt_tokens: int = 8,
+    request_id: str | None = None,
+    **sampling,
+) -> Request:
+    """A Request; the prompt defaults to `num_prompt_tokens` distinct ids (100, 101, ...: never EOS).
+    Other keywords are SamplingParams fields (n=, max_tokens=, ignore_eos=, ...)."""
+    if prompt_token_ids is None:
+        prompt_token_ids = list(range(100, 100 + num_prompt_tokens))
+    if request_id is None:
+        request_id = f"req-{next(_request_ids)}"
+    return Request(request_id, list(prompt_token_ids), SamplingParams(**sampling))
+
+
+def make_seq(token_ids: list[int]) -> Sequence:
+    """One sequence holding `token_ids` as its prompt (for block-manager tests)."""
+    return make_request(token_ids).sequences[0]
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 16,
+    block_size: int = 256,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int = 2048,
+    eos_token_ids=(EOS,),
+    stop_string_checker: Callable[[Sequence], str | None] | None = None,
+) -> Scheduler:
+    """A Scheduler over a fresh BlockManager (16 blocks of 256 tokens unless told otherwise)."""
+    block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+    return Scheduler(
+        block_manager,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        eos_token_ids=set(eos_token_ids),
+        stop_string_checker=stop_string_checker,
+    )
+
+
+def fake_sampled(out: SchedulerOutput, choose: Callable[[Sequence], int] | int) -> dict[int, int]:
+    """What a model would sample this step: one token for each sequence whose scheduled tokens reach its end
+    (a prefill chunk that stops short samples nothing). `choose` is a token id or seq -> token id."""
+    sampled = {}
+    for seq, num_new in out.scheduled:
+        if seq.num_computed_tokens + num_new == seq.num_tokens:
+            sampled[seq.seq_id] = choose(seq) if callable(choose) else choose
+    return sampled
+
+
+def run_step(
+    scheduler: Scheduler, choose: Callable[[Sequence], int] | int = 7
+) -> tuple[SchedulerOutput, list[Request]]:
+    """One engine step without a model: schedule, "sample" with `choose`, update."""
+    out = scheduler.schedule()
+    finished = scheduler.update(out, fake_sampled(out, choose))
+    return out, finished
+
+
+def run_to_completion(
+    scheduler: Scheduler,
+    choose: Callable[[Sequence], int] | int = 7,
+    max_steps: int = 10_000,
+) -> list[Request]:
+    """Step until nothing is unfinished; fails (instead of hanging) after `max_steps` steps."""
+    finished: list[Request] = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished:
+            return finished
+        finished += run_step(scheduler, choose)[1]
+    raise AssertionError(
+        f"still unfinished after {max_steps} steps: {scheduler.running + list(scheduler.waiting)}"
+    )
