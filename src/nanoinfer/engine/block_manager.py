@@ -17,12 +17,13 @@ import xxhash
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
+        self.parent_hash: int | None = None  # hash of the block before it, checked on a hit with token_ids
         self.token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash, for the hit check
 
     def __repr__(self) -> str:
@@ -71,7 +72,11 @@ class BlockManager:
             chunk = token_ids[j * self.block_size : (j + 1) * self.block_size]
             block_hash = hash_block(parent, chunk)
             block_id = self.hash_to_block_id.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            # A hash collision must not serve another prefix's KV: check the tokens and the parent too.
+            if block.token_ids != tuple(chunk) or block.parent_hash != parent or block_id in block_ids:
                 break
             block_ids.append(block_id)
             parent = block_hash
@@ -101,7 +106,7 @@ class BlockManager:
             if block.block_hash is not None:
                 if self.hash_to_block_id.get(block.block_hash) == block_id:
                     del self.hash_to_block_id[block.block_hash]
-                block.block_hash = block.token_ids = None
+                block.block_hash = block.parent_hash = block.token_ids = None
             block.ref_count = 1
             seq.block_table.append(block_id)
         return True
@@ -116,6 +121,7 @@ class BlockManager:
             chunk = tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
             block = self.blocks[seq.block_table[j]]
             block.block_hash = hash_block(parent, chunk)
+            block.parent_hash = parent
             block.token_ids = chunk
             self.hash_to_block_id.setdefault(block.block_hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

@@ -1,0 +1,141 @@
+"""Greedy float32 output equals Hugging Face transformers token for token, in every scheduling regime:
+one batch, chunked prefill, heavy preemption, prefix-cache hits, and block sizes 256 and 512."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.scheduler import SchedulerOutput
+from nanoinfer.engine.sequence import Request
+
+from nanoinfer.testing.hf_reference import hf_greedy
+
+FAMILIES = ["qwen3", "qwen2", "llama"]
+NUM_REFERENCE_TOKENS = 32
+
+NUM_PROMPTS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_REFERENCE_TOKENS, ignore_eos=True)
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """16 prompts of mixed lengths (3..300 tokens), so prefills cross the 256-token block boundary."""
+    rng = random.Random(seed)
+    lengths = [3, 7, 12, 20, 33, 47, 64, 90, 128, 150, 200, 230, 255, 256, 257, 300]
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def make_boundary_prompts(vocab_size: int, seed: int = 2) -> list[list[int]]:
+    """16 prompts of 236..251 tokens: each crosses the 256-token block boundary while decoding, so a
+    3-block cache must keep preempting."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(236 + i)] for i in range(NUM_PROMPTS)]
+
+
+def make_shared_prefix_prompts(vocab_size: int, seed: int = 1) -> list[list[int]]:
+    """16 prompts sharing a 600-token prefix (two full 256-token blocks) with distinct tails."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(600)]
+    return [prefix + [rng.randrange(3, vocab_size) for _ in range(5 + 3 * i)] for i in range(NUM_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dirs):
+    """(prompts, hf tokens, hf first-step logits) per family and prompt set."""
+    import transformers
+
+    refs = {}
+    for family, path in tiny_model_dirs.items():
+        vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+        sets = {"mixed": make_prompts(vocab), "shared": make_shared_prefix_prompts(vocab),
+                "boundary": make_boundary_prompts(vocab)}
+        for kind, prompts in sets.items():
+            tokens, logits = hf_greedy(path, prompts, NUM_REFERENCE_TOKENS)
+            refs[family, kind] = (prompts, tokens, logits)
+    return refs
+
+
+REGIMES = {
+    # name: (prompt set, engine settings)
+    "one_batch": ("mixed", dict(max_model_len=512)),
+    "chunked_prefill": ("mixed", dict(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8)),
+    "preemption": ("boundary", dict(max_model_len=512, num_kvcache_blocks=3)),
+    "prefix_cache": ("shared", dict(max_model_len=1024, max_num_seqs=4)),
+    "block_size_512": ("mixed", dict(max_model_len=1024, kvcache_block_size=512)),
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers(tiny_model_dirs, references, family, regime):
+    kind, settings = REGIMES[regime]
+    prompts, expected, _ = references[family, kind]
+    llm = LLM(str(tiny_model_dirs[family]), cpu_kvcache_space_gib=0.25, **settings)
+    outputs = llm.generate(prompts, GREEDY)
+    for i, (out, ref) in enumerate(zip(outputs, expected)):
+        assert out.finish_reason == "length", out.error
+        assert out.token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens) diverged from transformers"
+    scheduler, block_manager = llm.engine.scheduler, llm.engine.block_manager
+    if regime == "chunked_prefill":
+        longest = max(len(p) for p in prompts)
+        assert -(-longest // settings["max_num_batched_tokens"]) >= 3  # the longest prompt took >= 3 chunks
+    if regime == "preemption":
+        assert scheduler.num_preemptions >= 10, scheduler.num_preemptions
+    if regime == "prefix_cache":
+        assert sum(o.num_cached_tokens for o in outputs) > 0
+        assert block_manager.num_cache_hits > 0
+    assert block_manager.num_free_blocks == block_manager.num_blocks  # nothing leaked
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_step_logits_match_transformers(tiny_model_dirs, references, family):
+    prompts, _, expected_logits = references[family, "mixed"]
+    llm = LLM(str(tiny_model_dirs[family]), max_model_len=512, cpu_kvcache_space_gib=0.25)
+    scheduler = llm.engine.scheduler
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(f"r{i}", prompt, GREEDY))
+    out: SchedulerOutput = scheduler.schedule()
+    assert len(out.scheduled) == len(prompts)
+    logits = llm.engine.model_runner.compute_logits(out)
+    max_diff = (logits - torch.stack(expected_logits)).abs().max().item()
+    assert max_diff < 1e-4, max_diff
+
+
+def test_default_model_matches_transformers(default_model_dir):
+    """The real SmolLM2-135M-Instruct on 8 prompts (chat-templated and raw), in every regime."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    raw = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea,",
+        "1, 2, 3, 4, 5,",
+    ]
+    chats = [
+        "What is the capital of France?",
+        "Write a haiku about the ocean.",
+        "Explain what a neural network is in one long paragraph with many details about layers and weights.",
+        "List three colors.",
+    ]
+    prompts = [tokenizer.encode(p) for p in raw] + [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
+        for c in chats
+    ]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    num_tokens = 24
+    expected, _ = hf_greedy(default_model_dir, prompts, num_tokens)
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    for settings in (
+        dict(max_model_len=512),
+        dict(max_model_len=512, max_num_batched_tokens=16, max_num_seqs=8),
+        dict(max_model_len=256, num_kvcache_blocks=1),
+        dict(max_model_len=1024, kvcache_block_size=512),
+    ):
+        llm = LLM(str(default_model_dir), cpu_kvcache_space_gib=0.5, **settings)
+        outputs = llm.generate(prompts, params)
+        for i, (out, ref) in enumerate(zip(outputs, expected)):
+            assert out.token_ids == ref, f"{settings}: prompt {i} diverged from transformers"

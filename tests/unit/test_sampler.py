@@ -1,0 +1,114 @@
+"""Sampler: greedy, filtering, penalties, seeds and logprobs on hand-made logits (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanoinfer.engine.sequence import Request
+from nanoinfer.model.sampler import Sampler
+from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.errors import RequestError
+
+
+def seqs_for(n: int, **params) -> list:
+    return [Request(f"r{i}", [1, 2, 3], SamplingParams(**params)).sequences[0] for i in range(n)]
+
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.randn(8, 50)
+    assert Sampler()(logits, seqs_for(8, temperature=0)) == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_equals_greedy():
+    logits = torch.randn(8, 50)
+    assert Sampler()(logits, seqs_for(8, temperature=1.3, top_k=1)) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_empirical_frequencies_match_softmax(temperature):
+    # 40,000 draws: the standard error of each frequency is at most sqrt(0.25 / 40000) = 0.0025, so a
+    # tolerance of 0.012 is about 5 standard errors.
+    n = 40_000
+    tokens = Sampler(seed=0)(LOGITS.repeat(n, 1), seqs_for(n, temperature=temperature))
+    freq = torch.bincount(torch.tensor(tokens), minlength=len(LOGITS)).float() / n
+    expected = torch.softmax(LOGITS / temperature, dim=-1)
+    assert (freq - expected).abs().max().item() < 0.012
+
+
+def test_top_k_top_p_min_p_never_sample_filtered_tokens():
+    n = 4000
+    sampler = Sampler(seed=1)
+    assert set(sampler(LOGITS.repeat(n, 1), seqs_for(n, top_k=2))) == {0, 1}
+    probs = torch.softmax(LOGITS, -1)  # [0.56, 0.21, 0.12, 0.08, 0.03, 0.004]
+    # top_p=0.7: token 0 (0.56) is below 0.7, so token 1 is kept too; token 2 starts after 0.77 > 0.7.
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    assert set(sampler(LOGITS.repeat(n, 1), seqs_for(n, top_p=0.7))) == {0, 1}
+    # min_p=0.3 keeps tokens with prob >= 0.3 * 0.56 = 0.17: tokens 0 and 1.
+    assert set(sampler(LOGITS.repeat(n, 1), seqs_for(n, min_p=0.3))) == {0, 1}
+
+
+def test_seeded_sequence_draws_the_same_whatever_the_batch():
+    def draws(batch_size: int, position: int) -> list[int]:
+        result = []
+        seqs = seqs_for(batch_size, temperature=1.0)
+        seqs[position] = Request("seeded", [1], SamplingParams(temperature=1.0, seed=1234)).sequences[0]
+        sampler = Sampler(seed=batch_size)
+        for _ in range(20):
+            result.append(sampler(LOGITS.repeat(batch_size, 1), seqs)[position])
+        return result
+
+    alone = draws(1, 0)
+    assert draws(7, 3) == alone
+    assert draws(3, 2) == alone
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(1, 10)
+    seq = Request("r", [1, 4, 4, 7], SamplingParams(temperature=0, repetition_penalty=1.7)).sequences[0]
+    from nanoinfer.model.sampler import _apply_penalties
+
+    ours = _apply_penalties(logits[0].clone(), seq)
+    theirs = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[1, 4, 4, 7]]), logits.clone())[0]
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    from nanoinfer.model.sampler import _apply_penalties
+
+    seq = Request("r", [5, 5], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)).sequences[0]
+    seq.token_ids += [2, 2, 3]  # generated: token 2 twice, token 3 once
+    out = _apply_penalties(torch.zeros(8), seq)
+    assert out[2].item() == pytest.approx(-0.5 - 0.5)
+    assert out[3].item() == pytest.approx(-0.5 - 0.25)
+    assert out[5].item() == 0.0  # prompt tokens are not penalised
+
+
+def test_logprobs_of_sampled_token_and_top_alternatives():
+    seqs = seqs_for(1, temperature=0, logprobs=3)
+    token = Sampler()(LOGITS.unsqueeze(0), seqs)[0]
+    lp = seqs[0].logprobs[0]
+    expected = torch.log_softmax(LOGITS, -1)
+    assert lp.token_id == token == 0
+    assert lp.logprob == pytest.approx(expected[0].item())
+    assert [t for t, _ in lp.top] == [0, 1, 2]
+    assert math.isclose(lp.top[1][1], expected[1].item(), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2), dict(n=0),
+    dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(stop=[""]),
+    dict(max_tokens=True), dict(seed="x"), dict(presence_penalty=3),
+])
+def test_bad_sampling_values_are_request_errors(bad):
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**bad)
+    assert next(iter(bad)) in str(e.value)
