@@ -1,4 +1,9 @@
-"""Tensor-parallel state: this process's rank and the group size (1 when not distributed)."""
+"""Tensor-parallel state: this process's rank and the group size (1 when not distributed).
+
+Layers read rank and size when they are built and decide themselves whether to communicate, so a
+single-process model and a sharded one can live in the same process. The collectives run over the default
+process group (set up by distributed/executor.py and worker.py).
+"""
 
 from __future__ import annotations
 
@@ -23,16 +28,16 @@ def get_tp_size() -> int:
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks in place (no-op without tensor parallelism)."""
-    if _TP_SIZE > 1:
+    """Sum over ranks in place (no-op without a process group)."""
+    if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
 
 
 def all_gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard along the last dimension (vocab-parallel logits)."""
-    if _TP_SIZE == 1:
+    if not dist.is_initialized():
         return tensor
-    shards = [torch.empty_like(tensor) for _ in range(_TP_SIZE)]
+    shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(shards, tensor.contiguous())
     return torch.cat(shards, dim=-1)

@@ -108,5 +108,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden_states, self.weight)
-        logits = all_gather_last_dim(logits)[..., : self.vocab_size]
+        if self.tp_size > 1:
+            logits = all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits.float()
