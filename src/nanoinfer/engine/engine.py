@@ -12,6 +12,7 @@ import torch
 
 from nanoinfer import memory
 from nanoinfer.config import Config
+from nanoinfer.distributed.executor import TensorParallelExecutor
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import DTYPES, ModelRunner
 from nanoinfer.engine.scheduler import Scheduler
@@ -38,7 +39,7 @@ class LLMEngine:
         if config.device == "cpu":
             self.plan = memory.plan_cpu_kv_cache(config, block_bytes)
             memory.check_fits(self.plan, config.max_model_len)
-            self.model_runner = ModelRunner(config, self.plan.num_blocks)
+            self.model_runner = _make_runner(config, self.plan.num_blocks)
         else:
             self.model_runner, self.plan = _build_cuda_runner(config, block_bytes)
         logger.info(self.plan.summary_line())
@@ -66,6 +67,17 @@ class LLMEngine:
         num_decode = out.num_scheduled_tokens - num_prefill
         finished = self.scheduler.update(out, sampled)
         return finished, StepStats(num_prefill, num_decode, out.num_preempted, time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
+        if isinstance(self.model_runner, TensorParallelExecutor):
+            self.model_runner.close()
+
+
+def _make_runner(config: Config, num_blocks: int):
+    if config.tensor_parallel_size > 1:
+        return TensorParallelExecutor(config, num_blocks)  # same surface; rank 0 of a sharded model
+    return ModelRunner(config, num_blocks)
 
 
 def _is_decode(seq: Sequence, num_new: int) -> bool:
@@ -106,7 +118,7 @@ def _build_cuda_runner(config: Config, block_bytes: int):
     other_bytes = total - free_before
     # A minimal cache for the warm-up: enough blocks for max_num_batched_tokens tokens.
     warmup_blocks = -(-config.max_num_batched_tokens // config.kvcache_block_size) + 1
-    runner = ModelRunner(config, warmup_blocks)
+    runner = _make_runner(config, warmup_blocks)
     weights_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     warmup_cache_bytes = warmup_blocks * block_bytes
     runner.warmup()
