@@ -1,0 +1,288 @@
+"""Tensor parallelism over gloo on CPU: TP=2 computes what TP=1 computes, and worker processes always end
+with the engine (normal exit, an exception in rank 0, a killed worker, Ctrl-C, a killed rank 0).
+
+Lifecycle tests run a driver script (or `nanoinfer generate`) in a subprocess whose environment carries a
+unique tag; every process it starts inherits the tag, so "no orphans" means no live process in /proc has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.scheduler import SchedulerOutput
+from nanoinfer.engine.sequence import Request
+from nanoinfer.errors import NanoInferError
+from nanoinfer.testing.tiny_models import build_tiny_model
+
+NUM_PROMPTS = 16
+NUM_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+# 16 prompts x 2 blocks of 256 tokens: room for the longest prompt (300) plus 32 new tokens each.
+ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 512, "num_kvcache_blocks": 32, "num_threads": 2}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-models")
+    return {family: build_tiny_model(family, root / family) for family in ("qwen3", "llama")}
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths (3..300 tokens): prefills cross the 256-token block boundary."""
+    rng = random.Random(seed)
+    lengths = [3, 7, 12, 20, 33, 47, 64, 90, 128, 150, 200, 230, 255, 256, 257, 300]
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def first_step(prompts: list[list[int]], block_size: int) -> SchedulerOutput:
+    """Every prompt's whole prefill in one step, each sequence in its own blocks."""
+    out = SchedulerOutput()
+    next_block = 0
+    for i, prompt in enumerate(prompts):
+        seq = Request(f"p{i}", prompt, GREEDY).sequences[0]
+        num_blocks = -(-len(prompt) // block_size)
+        seq.block_table = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        out.scheduled.append((seq, len(prompt)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_llms(model_dirs):
+    """The TP=2 LLM of a family; one at a time, as a process holds one torch.distributed group."""
+    current = {}
+
+    def get(family: str) -> LLM:
+        if family not in current:
+            for llm in current.values():
+                llm.engine.close()
+            current.clear()
+            current[family] = LLM(str(model_dirs[family]), tensor_parallel_size=2, **ENGINE)
+        return current[family]
+
+    yield get
+    for llm in current.values():
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tp2_matches_tp1_logits_and_greedy_tokens(model_dirs, sharded_llms, family):
+    single = LLM(str(model_dirs[family]), **ENGINE)
+    sharded = sharded_llms(family)
+    prompts = make_prompts(single.config.hf_config.vocab_size)
+    out = first_step(prompts, single.config.kvcache_block_size)
+    expected = single.engine.model_runner.compute_logits(out)
+    logits = sharded.engine.model_runner.compute_logits(out)
+    assert logits.shape == expected.shape == (NUM_PROMPTS, single.config.hf_config.vocab_size)
+    # Only the order of the partial sums differs (all-reduce over two shards).
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+    want = [o.token_ids for o in single.generate(prompts, GREEDY)]
+    got = [o.token_ids for o in sharded.generate(prompts, GREEDY)]
+    assert all(len(t) == NUM_TOKENS for t in got)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a == b, f"prompt {i} ({len(prompts[i])} tokens): TP=2 diverged from TP=1"
+
+
+def test_kv_cache_reallocation_reaches_every_rank(sharded_llms):
+    sharded = sharded_llms("llama")
+    before = sharded.generate("The capital of France is", GREEDY)[0].token_ids
+    sharded.engine.model_runner.allocate_kv_cache(40)  # what CUDA memory planning does after warm-up
+    assert sharded.engine.model_runner.num_blocks == 40
+    assert sharded.generate("The capital of France is", GREEDY)[0].token_ids == before
+
+
+def test_exception_in_rank0_mid_step_stops_the_workers(sharded_llms, monkeypatch):
+    # The workers are then blocked in a collective that rank 0 will never join: the engine must stop them.
+    sharded = sharded_llms("llama")
+    executor = sharded.engine.model_runner
+    pids = executor.worker_pids
+
+    def broken_mlp(x):
+        raise ValueError("bug in rank 0")
+
+    monkeypatch.setattr(executor.model.model.layers[1].mlp, "forward", broken_mlp)
+    with pytest.raises(ValueError, match="bug in rank 0"):
+        sharded.generate("The capital of France is", GREEDY)
+    assert not [pid for pid in pids if _is_alive(pid)]
+    with pytest.raises(NanoInferError, match="closed"):
+        executor.compute_logits(first_step([[1, 2, 3]], 256))
+
+
+# ---- lifecycle ----------------------------------------------------------------------------------------------
+# Generates once, then idles until the test creates ./go (so waiting drivers leave the CPU to the others),
+# then generates until it is stopped.
+DRIVER = """
+import json, os, sys, time
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.errors import NanoInferError
+
+llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
+print("PIDS", *llm.engine.model_runner.worker_pids, flush=True)
+params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+try:
+    for i in range(100_000):
+        llm.generate(["The capital of France is"] * 4, params)
+        print("STEP", i, flush=True)
+        while not os.path.exists("go"):
+            time.sleep(0.05)
+except NanoInferError as e:  # what the CLI does: the message, no traceback, exit 2
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+"""
+NUM_CLI_LINES = 8
+CLI_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-kvcache-blocks", "32",
+             "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "--quiet"]
+
+
+class Scenario:
+    """A subprocess whose environment carries a unique tag, with its output in files (no pipe to fill up)."""
+
+    def __init__(self, folder: Path, argv: list[str]):
+        folder.mkdir()
+        self.folder = folder
+        self.tag = uuid.uuid4().hex
+        self.stdout_path, self.stderr_path = folder / "stdout.txt", folder / "stderr.txt"
+        env = {**os.environ, "NANOINFER_TEST_TAG": self.tag}
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=folder)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def wait_for(self, text: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.stdout:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"never printed {text!r}; stderr:\n{self.stderr}")
+            time.sleep(0.1)
+
+    def run(self) -> None:
+        """Let a driver loop, and return once it is busy generating."""
+        self.wait_for("STEP 0")
+        (self.folder / "go").touch()
+        self.wait_for("STEP 2")
+
+    def worker_pids(self) -> list[int]:
+        self.wait_for("PIDS")
+        line = next(line for line in self.stdout.splitlines() if line.startswith("PIDS"))
+        return [int(pid) for pid in line.split()[1:]]
+
+    def wait(self, timeout: float = 300.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"still running after {timeout} s; stderr:\n{self.stderr}")
+
+    def assert_no_processes_left(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (left := _tagged_processes(self.tag)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in left:  # do not leak them into the rest of the session
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory, model_dirs):
+    """All subprocesses, started together: each spends most of its time importing torch and spawning its
+    worker, which overlaps well on 2 cores (one after another, this file takes a minute longer)."""
+    root = tmp_path_factory.mktemp("scenarios")
+    model = str(model_dirs["qwen3"])
+    driver = [sys.executable, "-c", DRIVER, model, json.dumps(ENGINE)]
+    (root / "prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": f"The capital of country {i} is"}) + "\n" for i in range(NUM_CLI_LINES)
+    ))
+    cli = [sys.executable, "-m", "nanoinfer", "generate", str(root / "prompts.jsonl"), "-o", "out.jsonl",
+           "--model", model, "--tensor-parallel-size", "2", *CLI_FLAGS]
+    started = {name: Scenario(root / name, argv) for name, argv in (
+        ("kill_rank0", driver), ("sigint", driver), ("kill_worker", driver), ("cli", cli),
+    )}
+    yield started
+    for scenario in started.values():
+        if scenario.proc.poll() is None:
+            scenario.proc.kill()
+            scenario.proc.wait()
+
+
+def test_killed_rank0_leaves_no_processes(scenarios):
+    s = scenarios["kill_rank0"]
+    s.run()
+    s.proc.kill()  # no atexit, no close(): the workers' watchdog must notice on its own
+    s.wait()
+    s.assert_no_processes_left()
+
+
+def test_sigint_on_rank0_leaves_no_processes(scenarios):
+    s = scenarios["sigint"]
+    s.run()
+    s.proc.send_signal(signal.SIGINT)
+    assert s.wait() != 0
+    assert "KeyboardInterrupt" in s.stderr
+    s.assert_no_processes_left()
+
+
+def test_killed_worker_makes_rank0_fail_within_seconds_with_message(scenarios):
+    s = scenarios["kill_worker"]
+    (worker,) = s.worker_pids()
+    s.run()
+    os.kill(worker, signal.SIGKILL)
+    start = time.monotonic()
+    code = s.wait()
+    assert time.monotonic() - start < 10
+    assert code == 2
+    assert f"tensor-parallel worker rank 1 (pid {worker}) was killed by signal SIGKILL during a step" in s.stderr
+    assert "Traceback" not in s.stderr
+    s.assert_no_processes_left()
+
+
+def test_cli_generate_with_tensor_parallel_size_2_end_to_end(scenarios):
+    s = scenarios["cli"]
+    assert s.wait() == 0, s.stderr
+    records = [json.loads(line) for line in (s.folder / "out.jsonl").read_text().splitlines()]
+    assert len(records) == NUM_CLI_LINES
+    assert all(r["error"] is None and r["usage"]["completion_tokens"] == 8 for r in records)
+    s.assert_no_processes_left()  # a normal exit: atexit closes the executor
+
+
+def _is_alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    needle = f"NANOINFER_TEST_TAG={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and _is_alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
