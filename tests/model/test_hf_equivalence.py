@@ -104,38 +104,55 @@ def test_first_step_logits_match_transformers(tiny_model_dirs, references, famil
     assert max_diff < 1e-4, max_diff
 
 
+SYSTEM_PROMPT = (
+    "You are a careful assistant for a geography quiz. Answer in one short sentence. "
+    + " ".join(f"Rule {i}: be accurate, be brief, and name the place you mean." for i in range(1, 25))
+)
+PARAGRAPH = (
+    "The river rises in the mountains, runs through forests and farmland, and reaches the sea after a long "
+    "journey past old towns, bridges and mills. "
+) * 6
+
+
+def default_model_prompts(tokenizer) -> list[list[int]]:
+    """8 real prompts: 4 raw (a long paragraph, then different endings; about 240 tokens, so decoding
+    crosses the 256-token block boundary) and 4 chat-templated ones sharing a long system prompt."""
+    endings = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4, 5,"]
+    raw = [tokenizer.encode(PARAGRAPH + e) for e in endings]
+    questions = ["What is the capital of France?", "Name a river in Germany.", "Where is Mount Fuji?",
+                 "List three colors."]
+    chats = []
+    for q in questions:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
+            add_generation_prompt=True, tokenize=True,
+        )
+        chats.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return raw + chats
+
+
 def test_default_model_matches_transformers(default_model_dir):
     """The real SmolLM2-135M-Instruct on 8 prompts (chat-templated and raw), in every regime."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    raw = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a small village by the sea,",
-        "1, 2, 3, 4, 5,",
-    ]
-    chats = [
-        "What is the capital of France?",
-        "Write a haiku about the ocean.",
-        "Explain what a neural network is in one long paragraph with many details about layers and weights.",
-        "List three colors.",
-    ]
-    prompts = [tokenizer.encode(p) for p in raw] + [
-        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
-        for c in chats
-    ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    prompts = default_model_prompts(AutoTokenizer.from_pretrained(default_model_dir))
+    assert all(200 < len(p) < 256 for p in prompts[:4]) and all(len(p) > 256 for p in prompts[4:])
     num_tokens = 24
     expected, _ = hf_greedy(default_model_dir, prompts, num_tokens)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    for settings in (
-        dict(max_model_len=512),
-        dict(max_model_len=512, max_num_batched_tokens=16, max_num_seqs=8),
-        dict(max_model_len=256, num_kvcache_blocks=1),
-        dict(max_model_len=1024, kvcache_block_size=512),
-    ):
+    regimes = {
+        "one_batch": dict(max_model_len=512),
+        "chunked_prefill": dict(max_model_len=512, max_num_batched_tokens=96, max_num_seqs=8),
+        "preemption": dict(max_model_len=512, num_kvcache_blocks=3),
+        "prefix_cache": dict(max_model_len=512, max_num_seqs=2),
+        "block_size_512": dict(max_model_len=1024, kvcache_block_size=512),
+    }
+    for regime, settings in regimes.items():
         llm = LLM(str(default_model_dir), cpu_kvcache_space_gib=0.5, **settings)
         outputs = llm.generate(prompts, params)
         for i, (out, ref) in enumerate(zip(outputs, expected)):
-            assert out.token_ids == ref, f"{settings}: prompt {i} diverged from transformers"
+            assert out.token_ids == ref, f"{regime}: prompt {i} diverged from transformers"
+        if regime == "preemption":
+            assert llm.engine.scheduler.num_preemptions >= 1
+        if regime == "prefix_cache":
+            assert sum(o.num_cached_tokens for o in outputs[4:]) >= 3 * 256  # the shared system prompt
