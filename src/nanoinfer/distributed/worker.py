@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.distributed import set_tensor_parallel
+from nanoinfer.engine.model_runner import ModelRunner
 
 PARENT_POLL_S = 0.5
 
@@ -103,9 +104,7 @@ def worker_main(args: WorkerArgs, conn) -> None:
     _exit(_serve(runner, conn))
 
 
-def _build_runner(args: WorkerArgs):
-    from nanoinfer.engine.model_runner import ModelRunner
-
+def _build_runner(args: WorkerArgs) -> ModelRunner:
     config = args.config
     if args.backend == "nccl":
         torch.cuda.set_device(args.rank)
