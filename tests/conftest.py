@@ -10,3 +10,11 @@ def default_model_dir():
     from nanoinfer.model_source import resolve_model
 
     return resolve_model(DEFAULT_MODEL)
+
+
+def pytest_sessionstart(session):
+    # Build the CPU attention kernel once, up front: otherwise the first engine test pays for it, and a
+    # subprocess killed on purpose (the crash tests) could die in the middle of the build.
+    from nanoinfer.attention.cpu_kernels import cpu_paged_decode_kernel
+
+    cpu_paged_decode_kernel()

@@ -56,8 +56,9 @@ class ModelRunner:
 
         config = self.config
         num_tokens = min(config.max_num_batched_tokens, (self.num_blocks - 1) * self.block_size)
-        num_seqs = max(1, min(config.max_num_seqs, num_tokens // max(config.max_model_len, 1)))
-        per_seq = num_tokens // num_seqs
+        # Enough sequences that none is longer than max_model_len - 1 (the rotary table's end).
+        num_seqs = min(config.max_num_seqs, max(1, -(-num_tokens // max(config.max_model_len - 1, 1))))
+        per_seq = min(num_tokens // num_seqs, config.max_model_len - 1)
         out = SchedulerOutput()
         next_block = 0
         for i in range(num_seqs):

@@ -1,0 +1,84 @@
+"""The CPU attention paths (C++ paged decode kernel and the torch fallback) against reference.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoinfer.attention.cpu_kernels import cpu_paged_decode_kernel
+from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.attention.reference import paged_attention_reference, store_kvcache_reference
+from nanoinfer.attention.torch_backend import TorchBackend
+
+
+def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Random cache contents and a batch whose sequences own shuffled (non-contiguous) blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, next_block = [], 0
+    for n in blocks_needed:
+        tables.append(order[next_block: next_block + n])
+        next_block += n
+    max_blocks = max(blocks_needed)
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = torch.tensor(t)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+    return query, k_cache, v_cache, metadata
+
+
+CASES = [
+    # (query_lens, seq_lens): pure decode; decode + fresh prefill + chunked prefill over a cached prefix
+    ([1, 1, 1, 1], [1, 255, 256, 700]),
+    ([1, 37, 1, 20], [300, 37, 513, 290]),
+]
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("case", CASES)
+def test_torch_backend_matches_reference_float32(use_kernel, heads, case):
+    if use_kernel and cpu_paged_decode_kernel() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    num_heads, num_kv_heads = heads
+    query, k_cache, v_cache, metadata = make_batch(*case, num_heads, num_kv_heads, 64, 256, torch.float32)
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
+    got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_bfloat16_close_to_reference():
+    if cpu_paged_decode_kernel() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [5, 300, 600], 9, 3, 64, 256, torch.bfloat16)
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
+    got = TorchBackend().forward(query, k_cache, v_cache, metadata, 0.125)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_store_kvcache_matches_reference_and_skips_padding_slots():
+    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([0, 7, -1, 300, 511])
+    caches = [torch.zeros(2, 256, 2, 8) for _ in range(4)]
+    TorchBackend().store_kvcache(key, value, caches[0], caches[1], slots)
+    store_kvcache_reference(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
