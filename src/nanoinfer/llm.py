@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Iterable, Sequence as Seq
 
 from nanoinfer.config import Config
 from nanoinfer.engine.engine import LLMEngine, StepStats
@@ -107,7 +108,9 @@ class LLM:
                 "Send a plain `prompt` instead."
             )
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except Exception as e:  # a malformed conversation is the user's to fix
             raise RequestError(f"the chat template could not format these messages: {e}") from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 FAMILIES = ["qwen3", "qwen2", "llama"]

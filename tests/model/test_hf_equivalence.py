@@ -11,7 +11,6 @@ import torch
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Request
-
 from nanoinfer.testing.hf_reference import hf_greedy
 
 FAMILIES = ["qwen3", "qwen2", "llama"]

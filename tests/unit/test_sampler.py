@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nanoinfer.engine.sequence import Request
+from nanoinfer.errors import RequestError
 from nanoinfer.model.sampler import Sampler
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.errors import RequestError
 
 
 def seqs_for(n: int, **params) -> list:

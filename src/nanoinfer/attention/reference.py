@@ -48,7 +48,7 @@ def paged_attention_reference(
     Query token j of a sequence with query_len q and seq_len s sits at position s - q + j and attends
     to positions 0..s - q + j. Grouped-query attention: query head h reads KV head h // (H_q // H_kv).
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)

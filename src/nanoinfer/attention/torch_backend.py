@@ -48,7 +48,9 @@ class TorchBackend:
         if len(decode_ids) < len(query_lens):
             for i, q_len in enumerate(query_lens):
                 if q_len > 1:
-                    self._prefill_one(query, k_cache, v_cache, metadata, scale, i, starts, q_len, seq_lens[i], new_kv, out)
+                    self._prefill_one(
+                        query, k_cache, v_cache, metadata, scale, i, starts, q_len, seq_lens[i], new_kv, out
+                    )
         return out
 
     def _decode(self, query, k_cache, v_cache, metadata, scale, decode_ids, starts, seq_lens, out):

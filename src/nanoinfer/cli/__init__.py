@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from nanoinfer.errors import NanoInferError
 
@@ -31,7 +32,7 @@ def user_errors():
     try:
         yield
     except NanoInferError as e:
-        err_console.print(f"[bold red]error:[/bold red] {e}", markup=True, highlight=False)
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
         raise typer.Exit(code=2) from None
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from nanoinfer import batch
 from nanoinfer.cli import app, err_console, user_errors
@@ -39,7 +40,7 @@ from nanoinfer.cli.check_config import (
     TensorParallelSizeFlag,
     TrustRemoteCodeFlag,
 )
-from nanoinfer.errors import BatchFileError, RequestError
+from nanoinfer.errors import BatchFileError, NanoInferError, RequestError
 from nanoinfer.progress import JobProgress
 
 MAX_IN_FLIGHT_CAP = 4096  # the default is 4 x max_num_seqs, at most this
@@ -240,7 +241,14 @@ def generate(
         with user_errors():
             job = prepare_job(input, output, config, overrides, flags, resume, overwrite, max_in_flight)
             llm = load_llm(job.config)
-        code = run_job(job, llm, stopper, quiet=quiet, json_output=json_output)
+        try:
+            code = run_job(job, llm, stopper, quiet=quiet, json_output=json_output)
+        except NanoInferError as e:
+            # Mid-run failure (e.g. a tensor-parallel worker died): finished records are on disk.
+            err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
+            err_console.print(f"Finished records are in {escape(output)}; run the same command with --resume "
+                              "to continue.", highlight=False)
+            code = 1
     except KeyboardInterrupt:
         code = stopper.exit_code if stopper.signum else 130
         err_console.print("nanoinfer generate: interrupted before generation started; nothing was written.")

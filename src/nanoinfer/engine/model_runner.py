@@ -43,7 +43,7 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.num_blocks = num_blocks
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
             for _ in range(self.config.hf_config.num_hidden_layers)
         ]
 

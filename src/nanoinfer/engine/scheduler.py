@@ -9,8 +9,8 @@ is preempted by recompute: its blocks are freed and it goes back to the front of
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.sequence import Request, Sequence, SequenceStatus

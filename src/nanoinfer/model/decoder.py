@@ -12,7 +12,13 @@ from torch import nn
 from nanoinfer.attention.backend import AttentionBackend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.distributed import get_tp_size
-from nanoinfer.model.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, silu_and_mul
+from nanoinfer.model.layers import (
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    silu_and_mul,
+)
 from nanoinfer.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -97,7 +103,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(hf_config, backend, rotary) for _ in range(hf_config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, backend, rotary) for _ in range(hf_config.num_hidden_layers)
+        )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, metadata):

@@ -71,8 +71,8 @@ def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidd
         config = transformers.Qwen3Config(head_dim=head_dim, tie_word_embeddings=bool(tie_word_embeddings), **common)
         cls = transformers.Qwen3ForCausalLM
     elif family == "qwen2":
-        config = transformers.Qwen2Config(tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
-                                          **common)
+        tied = True if tie_word_embeddings is None else tie_word_embeddings
+        config = transformers.Qwen2Config(tie_word_embeddings=tied, **common)
         cls = transformers.Qwen2ForCausalLM
     else:
         config = transformers.LlamaConfig(head_dim=head_dim, tie_word_embeddings=bool(tie_word_embeddings),
