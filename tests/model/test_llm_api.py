@@ -1,0 +1,80 @@
+"""The LLM facade end to end on a tiny model: stop rules, seeds, n, chat, logprobs, bad requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.errors import RequestError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    return LLM(str(tiny_model_dirs["qwen3"]), max_model_len=256, cpu_kvcache_space_gib=0.25)
+
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "Once upon a time there was"]
+
+
+@pytest.mark.timeout(120)
+def test_unservable_request_errors_while_the_rest_complete(llm):
+    too_long = list(range(5, 5 + 300))  # 300 tokens > max_model_len 256
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([PROMPTS[0], too_long, PROMPTS[1]], params)
+    assert outs[1].finish_reason == "error"
+    assert "max_model_len is 256" in outs[1].error
+    assert [o.finish_reason for o in (outs[0], outs[2])] == ["length", "length"]
+    assert all(len(o.token_ids) == 8 for o in (outs[0], outs[2]))
+
+
+def test_stop_token_ids_and_stop_strings_end_generation(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = llm.generate(PROMPTS[0], greedy)[0]
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                  stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    assert out.token_ids == free.token_ids[: first + 1]
+
+    stop_text = free.text[len(free.text) // 2:][:3]
+    assert stop_text.strip()
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_text]))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_text
+    assert stop_text not in out.text and free.text.startswith(out.text)
+
+
+def test_max_tokens_gives_length(llm):
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_seeded_request_reproduces_alone_and_inside_another_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(PROMPTS[2], seeded)[0].token_ids
+    batch = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], [other, seeded, other])
+    assert batch[1].token_ids == alone
+    assert llm.generate(PROMPTS[2], SamplingParams(temperature=1.0, seed=43, max_tokens=16,
+                                                   ignore_eos=True))[0].token_ids != alone
+
+
+def test_n_sequences_share_the_prompt(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert out.usage["completion_tokens"] == 24
+
+
+def test_chat_uses_the_template_and_logprobs_are_returned(llm):
+    out = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=4, logprobs=2,
+                                                                         ignore_eos=True))[0]
+    assert out.prompt.startswith("<|im_start|>user\nHello<|im_end|>")
+    logprobs = out.outputs[0].logprobs
+    assert len(logprobs) == 4
+    assert all(lp.token_id == t and lp.top[0][0] == t for lp, t in zip(logprobs, out.token_ids))  # greedy = top-1
+
+
+def test_out_of_vocabulary_token_ids_are_rejected(llm):
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 10**9]])
