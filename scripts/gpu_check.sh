@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# The CUDA checks of issue 6 in one command, sized for a 10-minute call on one H200 (about 8 minutes):
+#   1 nvidia-smi    the card, its memory and driver
+#   2 imports       torch + CUDA, triton, transformers, the project's deps, nanoinfer's kernels
+#   3 pytest        tests/gpu (engine vs transformers on the GPU, planner vs allocation) and tests/kernels
+#                   with the Triton kernels compiled (TRITON_INTERPRET=0)
+#   4 plan-memory   the planner's estimate for the Qwen3-0.6B-shaped bench model on this card
+#   5 bench         nanoinfer vs HF transformers on nano-vllm's workload (256 requests, 100-1024 in/out)
+# then prints a table (scripts/gpu_check_summary.py). Exits non-zero if any step failed or timed out.
+#
+# Installs nothing from the network. torch, CUDA and Triton must be there already (flash-attn is optional);
+# missing pure-Python dependencies are installed from ./wheels when that folder exists (pip --no-index; on
+# a system Python that refuses pip, set PIP_BREAK_SYSTEM_PACKAGES=1), else the imports step names them.
+# nanoinfer itself need not be installed: src/ goes first on PYTHONPATH and the CLI runs as python -m.
+#
+# Usage: bash scripts/gpu_check.sh
+# Environment:
+#   PYTHON              interpreter with torch (default: python3)
+#   GPU_LOG_DIR         where logs go (default: gpu_logs): steps.tsv, one log per step, pytest.xml,
+#                       plan-memory.json, bench.json, summary.txt
+#   GPU_CHECK_BUDGET_S  seconds for all steps together (default: 480); each step's timeout comes out of it
+#   GPU_CHECK_BENCH     auto (default) | full | small | off. auto runs the full workload when at least
+#                       BENCH_FULL_MIN_S (240 s) are left, else the small one (64 requests, 100-512 in/out),
+#                       which needs BENCH_SMALL_MIN_S (90 s); with less left the bench is skipped (a failure).
+# shellcheck disable=SC2329  # the step_* functions run through `timeout ... bash -c`
+set -u
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
+LOG_DIR=${GPU_LOG_DIR:-gpu_logs}
+PY=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
+BENCH_MODE=${GPU_CHECK_BENCH:-auto}
+BENCH_FULL_MIN_S=240
+BENCH_SMALL_MIN_S=90
+SMALL_BENCH=(--num-requests 64 --input-len 100 512 --output-len 100 512)
+mkdir -p "$LOG_DIR" || exit 2
+LOG_DIR=$(cd "$LOG_DIR" && pwd)
+STEPS="$LOG_DIR/steps.tsv"
+# Files of an earlier run would pass for this run's results in the table.
+rm -f "$LOG_DIR"/{steps.tsv,meta.txt,summary.txt,nvidia-smi.csv,imports.json,pytest.xml,plan-memory.json,bench.json}
+rm -f "$LOG_DIR"/{nvidia-smi,imports,pytest,plan-memory,bench}.log
+printf 'step\tstatus\trc\tseconds\tlog\tnote\n' >"$STEPS"
+
+export ROOT LOG_DIR PY
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1  # no internet there: fail fast
+export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+export PYTHONUNBUFFERED=1 COLUMNS=160  # rich tables in the logs at full width
+
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $(git -C "$ROOT" describe --always --dirty 2>/dev/null || echo unknown)"
+    echo "python: $(command -v "$PY" || echo "$PY not found")"
+    echo "budget_s: $BUDGET"
+} >"$LOG_DIR/meta.txt"
+
+any_failed=0
+
+record() { # step status rc seconds log note
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$(basename "$5")" "${6:-}" >>"$STEPS"
+}
+
+seconds_left() { echo $((BUDGET - SECONDS)); }
+
+limit() { # cap [reserve]: a step's timeout: at most cap, and at most what is left after reserve seconds
+    # for the steps after it and 10 s for the summary
+    local left=$(($(seconds_left) - 10 - ${2:-0}))
+    echo $((left < $1 ? left : $1))
+}
+
+# run_step NAME LIMIT_S LOG NOTE CMD...: run CMD under timeout, output to LOG, one line in steps.tsv.
+run_step() {
+    local name=$1 limit=$2 log=$3 note=$4
+    shift 4
+    if ((limit < 5)); then
+        record "$name" SKIPPED - 0 "$log" "no time left in the ${BUDGET}s budget"
+        echo "[gpu_check] $name: SKIPPED (no time left)"
+        any_failed=1
+        return 1
+    fi
+    echo "[gpu_check] $name (timeout ${limit}s) ..."
+    local start=$SECONDS rc status
+    timeout --kill-after=15 "$limit" "$@" >"$log" 2>&1
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status=TIMEOUT ;;
+        *) status=FAIL ;;
+    esac
+    record "$name" "$status" "$rc" $((SECONDS - start)) "$log" "$note"
+    echo "[gpu_check] $name: $status (rc $rc, $((SECONDS - start))s)"
+    if [[ $status != ok ]]; then
+        any_failed=1
+        tail -n 20 "$log" | sed 's/^/    | /'
+    fi
+    [[ $status == ok ]]
+}
+
+skip_step() { # name reason
+    record "$1" SKIPPED - 0 "-" "$2"
+    echo "[gpu_check] $1: SKIPPED ($2)"
+    any_failed=1
+}
+
+step_nvidia_smi() {
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader \
+        >"$LOG_DIR/nvidia-smi.csv" && nvidia-smi
+}
+
+# Writes imports.json and prints it; exit 1 when something is missing or CUDA is not usable. A last line
+# "MISSING: dist ..." names the pure-Python packages that wheels/ could provide.
+# shellcheck disable=SC2089,SC2090  # Python source, passed whole to python -c
+IMPORT_CHECK='
+import importlib, importlib.util, json, sys
+out = sys.argv[1]
+# module -> distribution; the last three are not pure Python and must come with the machine.
+pure = {"transformers": "transformers", "safetensors": "safetensors", "tokenizers": "tokenizers",
+        "xxhash": "xxhash", "typer": "typer", "rich": "rich", "yaml": "pyyaml", "jsonlines": "jsonlines",
+        "gguf": "gguf", "numpy": "numpy", "jinja2": "jinja2", "pytest": "pytest"}
+system = {"torch": "torch", "triton": "triton"}
+report = {"versions": {}, "missing": [], "missing_system": [], "problems": []}
+for module, dist in {**system, **pure}.items():
+    try:
+        report["versions"][dist] = getattr(importlib.import_module(module), "__version__", "?")
+    except Exception as e:
+        report["versions"][dist] = None
+        report["missing_system" if module in system else "missing"].append(dist)
+        print(f"cannot import {module} (from {dist}): {type(e).__name__}: {e}")
+if importlib.util.find_spec("flash_attn") is not None:
+    try:
+        report["versions"]["flash-attn"] = importlib.import_module("flash_attn").__version__
+    except Exception as e:  # auto would pick it (find_spec) and then fail inside the engine
+        report["versions"]["flash-attn"] = None
+        report["problems"].append(f"flash_attn is installed but does not import: {type(e).__name__}: {e}")
+else:
+    report["versions"]["flash-attn"] = None
+if "torch" not in report["missing_system"]:
+    import torch
+    report["cuda_available"] = torch.cuda.is_available()
+    report["torch_cuda"] = torch.version.cuda
+    if report["cuda_available"]:
+        report["device"] = torch.cuda.get_device_name(0)
+        report["bf16"] = torch.cuda.is_bf16_supported()
+    else:
+        report["problems"].append("torch.cuda.is_available() is False: no usable CUDA device")
+if not report["missing"] and not report["missing_system"]:
+    try:
+        import nanoinfer, nanoinfer.cli, nanoinfer.kernels  # the package from src/ and its Triton kernels
+        report["nanoinfer"] = nanoinfer.__version__
+    except Exception as e:
+        report["problems"].append(f"cannot import nanoinfer from src/: {type(e).__name__}: {e}")
+if report["missing"]:
+    report["problems"].append("missing pure-Python packages: " + " ".join(report["missing"])
+                              + " (ship them as wheels in ./wheels; this script installs them with --no-index)")
+if report["missing_system"]:
+    report["problems"].append("missing: " + " ".join(report["missing_system"])
+                              + " (the GPU machine must provide them with CUDA)")
+json.dump(report, open(out, "w"), indent=2)
+print(json.dumps(report, indent=2))
+for problem in report["problems"]:
+    print("PROBLEM:", problem)
+if report["missing"]:
+    print("MISSING:", " ".join(report["missing"]))
+sys.exit(1 if report["problems"] else 0)
+'
+
+step_imports() {
+    local output missing
+    output=$("$PY" -c "$IMPORT_CHECK" "$LOG_DIR/imports.json") && { echo "$output"; return 0; }
+    echo "$output"
+    missing=$(echo "$output" | sed -n 's/^MISSING: //p')
+    [[ -n $missing ]] || return 1
+    if [[ ! -d $ROOT/wheels ]]; then
+        echo "no wheels/ folder to install $missing from (and no network here): ship them as wheels in ./wheels"
+        return 1
+    fi
+    echo "installing from $ROOT/wheels, no index: $missing"
+    # shellcheck disable=SC2086  # one word per package
+    "$PY" -m pip install --no-index --find-links "$ROOT/wheels" $missing || return 1
+    "$PY" -c "$IMPORT_CHECK" "$LOG_DIR/imports.json"
+}
+
+step_pytest() {
+    # No -m gpu: tests/kernels is not marked gpu (its tests run everywhere, interpreted on CPU), and every
+    # test in tests/gpu is. An explicit TRITON_INTERPRET=0 wins over tests/kernels/conftest.py's setdefault.
+    TRITON_INTERPRET=0 "$PY" -m pytest tests/gpu tests/kernels -q -rs -p no:cacheprovider \
+        -o junit_family=xunit2 --junitxml="$LOG_DIR/pytest.xml"
+}
+
+step_plan_memory() {
+    "$PY" -m nanoinfer plan-memory --model configs/models/qwen3-0.6b --json >"$LOG_DIR/plan-memory.json"
+}
+
+step_bench() { # extra flags for the workload
+    # The model is the CUDA default, named so that nothing can fall back to a download.
+    "$PY" -m nanoinfer bench --model configs/models/qwen3-0.6b --compare hf --output-json "$LOG_DIR/bench.json" "$@"
+}
+
+# shellcheck disable=SC2090
+export IMPORT_CHECK
+export -f step_nvidia_smi step_imports step_pytest step_plan_memory step_bench
+
+run_step nvidia-smi 30 "$LOG_DIR/nvidia-smi.log" "" bash -c step_nvidia_smi
+if run_step imports 120 "$LOG_DIR/imports.log" "" bash -c step_imports; then
+    # Reserve plan-memory's cap and the small bench's time, so a slow test run cannot crowd out the bench.
+    run_step pytest "$(limit 210 $((60 + BENCH_SMALL_MIN_S)))" "$LOG_DIR/pytest.log" "" bash -c step_pytest
+    run_step plan-memory "$(limit 60)" "$LOG_DIR/plan-memory.log" "" bash -c step_plan_memory
+    left=$(($(seconds_left) - 10))
+    case $BENCH_MODE in
+        full) bench_flags=() note="full workload" ;;
+        small) bench_flags=("${SMALL_BENCH[@]}") note="small workload (GPU_CHECK_BENCH=small)" ;;
+        off) bench_flags=() note="off" ;;
+        *)
+            if ((left >= BENCH_FULL_MIN_S)); then
+                bench_flags=() note="full workload"
+            elif ((left >= BENCH_SMALL_MIN_S)); then
+                bench_flags=("${SMALL_BENCH[@]}") note="small workload: ${left}s left, full needs ${BENCH_FULL_MIN_S}s"
+            else
+                bench_flags=() note="skip"
+            fi
+            ;;
+    esac
+    if [[ $note == off ]]; then
+        record bench off - 0 "-" "GPU_CHECK_BENCH=off"
+    elif [[ $note == skip ]]; then
+        skip_step bench "${left}s left, the small workload needs ${BENCH_SMALL_MIN_S}s"
+    else
+        run_step bench "$left" "$LOG_DIR/bench.log" "$note" bash -c 'step_bench "$@"' _ ${bench_flags[@]+"${bench_flags[@]}"}
+    fi
+else
+    for step in pytest plan-memory bench; do
+        skip_step "$step" "the imports step failed"
+    done
+fi
+
+"$PY" "$ROOT/scripts/gpu_check_summary.py" "$LOG_DIR" | tee "$LOG_DIR/summary.txt"
+summary_rc=${PIPESTATUS[0]}
+if ((any_failed || summary_rc)); then
+    exit 1
+fi
+exit 0

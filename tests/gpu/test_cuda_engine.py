@@ -1,0 +1,195 @@
+"""The engine on CUDA against Hugging Face transformers on the same GPU, for every attention backend that can
+run here: float32 greedy token for token; bfloat16 by vLLM's check_logprobs_close rule. And the KV-cache
+planner against what the engine really allocated. Run by scripts/gpu_check.sh; skipped without CUDA.
+
+CUDA graphs are not implemented yet (decode always runs eagerly), so there is no graph-vs-eager test.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import random
+
+import pytest
+import torch
+
+from nanoinfer import SamplingParams, memory
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BACKENDS = ("torch", "triton", "flash-attn")
+NUM_TOKENS = 32
+NUM_LOGPROBS = 5  # vLLM's models tests use 5
+# Small batches so that the two long prompts are prefilled in chunks over their own cached blocks, and
+# prefill chunks share steps with decodes. 64 blocks of 256 tokens hold all 16 sequences at once.
+ENGINE_SETTINGS = dict(
+    max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, num_kvcache_blocks=64, enforce_eager=True
+)
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """16 prompts of 1..600 tokens: around and across the 256-token block boundary, and longer than one
+    512-token step."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 7, 16, 31, 64, 100, 128, 200, 255, 256, 257, 300, 511, 513, 600]
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def backend_skip_reason(backend: str, dtype: str) -> str | None:
+    """Why `backend` cannot run in this process (None when it can)."""
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            # tests/kernels/conftest.py sets it when both folders run in one process without an explicit value.
+            return "TRITON_INTERPRET=1 in this process: run with TRITON_INTERPRET=0 for the compiled kernels"
+    if backend == "flash-attn":
+        if importlib.util.find_spec("flash_attn") is None:
+            return "flash-attn is not installed (optional: pip install 'nanoinfer[cuda]')"
+        if dtype == "float32":
+            return "flash-attn has no float32 kernels (Config refuses the pairing)"
+    return None
+
+
+def skip_unless_runnable(backend: str, dtype: str) -> None:
+    if (reason := backend_skip_reason(backend, dtype)) is not None:
+        pytest.skip(reason)
+
+
+def generate(llm, prompts: list[list[int]], num_logprobs: int | None = None):
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=num_logprobs)
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
+        assert out.finish_reason == "length", out.error
+        assert len(out.token_ids) == NUM_TOKENS
+    return outputs
+
+
+def check_logprobs_close(
+    ours: list[tuple[list[int], list[set[int]]]], theirs: list[tuple[list[int], list[set[int]]]], names: tuple[str, str]
+) -> int:
+    """vLLM's rule for low-precision runs: walk each sequence to its first differing token; there each side's
+    token must be among the other side's top-k, and the comparison of that sequence stops (after a different
+    token the two continue from different contexts). Returns how many sequences diverged."""
+    num_diverged = 0
+    for i, ((ids_0, top_0), (ids_1, top_1)) in enumerate(zip(ours, theirs, strict=True)):
+        for pos, (id_0, id_1) in enumerate(zip(ids_0, ids_1, strict=True)):
+            if id_0 == id_1:
+                continue
+            assert id_0 in top_1[pos], (
+                f"prompt {i}, token {pos}: {names[0]} chose {id_0}, not in {names[1]}'s top-k {sorted(top_1[pos])}"
+            )
+            assert id_1 in top_0[pos], (
+                f"prompt {i}, token {pos}: {names[1]} chose {id_1}, not in {names[0]}'s top-k {sorted(top_0[pos])}"
+            )
+            num_diverged += 1
+            break
+    return num_diverged
+
+
+def vocab_size(model_dir) -> int:
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+
+
+# --- attention backend selection ------------------------------------------------------------------------
+
+
+def test_auto_backend_on_cuda_is_flash_attn_when_installed_else_triton(cuda_model_dirs, cuda_llm):
+    expected = "flash-attn" if importlib.util.find_spec("flash_attn") else "triton"
+    if expected == "triton" and importlib.util.find_spec("triton") is None:
+        expected = "torch"
+    with cuda_llm(cuda_model_dirs["qwen3"], dtype="bfloat16", **ENGINE_SETTINGS) as llm:
+        assert llm.config.attention_backend == expected
+        assert llm.engine.model_runner.backend.name == expected
+
+
+# --- engine vs transformers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_float32_greedy_matches_transformers_token_for_token(
+    cuda_model_dirs, cuda_llm, hf_reference, no_tf32, family, backend
+):
+    skip_unless_runnable(backend, "float32")
+    model_dir = cuda_model_dirs[family]
+    prompts = make_prompts(vocab_size(model_dir))
+    expected = hf_reference(family, "float32", prompts, NUM_TOKENS, NUM_LOGPROBS)
+    with cuda_llm(model_dir, dtype="float32", attention_backend=backend, **ENGINE_SETTINGS) as llm:
+        assert llm.engine.model_runner.backend.name == backend
+        outputs = generate(llm, prompts)
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        assert out.token_ids == ref.token_ids, (
+            f"{backend}: prompt {i} ({len(prompts[i])} tokens) diverged from transformers"
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(cuda_model_dirs, cuda_llm, hf_reference, family, backend):
+    skip_unless_runnable(backend, "bfloat16")
+    model_dir = cuda_model_dirs[family]
+    prompts = make_prompts(vocab_size(model_dir))
+    expected = hf_reference(family, "bfloat16", prompts, NUM_TOKENS, NUM_LOGPROBS)
+    with cuda_llm(model_dir, dtype="bfloat16", attention_backend=backend, **ENGINE_SETTINGS) as llm:
+        assert llm.engine.model_runner.backend.name == backend
+        outputs = generate(llm, prompts, num_logprobs=NUM_LOGPROBS)
+    ours = []
+    for out in outputs:
+        logprobs = out.outputs[0].logprobs
+        assert [lp.token_id for lp in logprobs] == out.token_ids
+        assert all(len(lp.top) == NUM_LOGPROBS for lp in logprobs)
+        ours.append((out.token_ids, [{token_id for token_id, _ in lp.top} for lp in logprobs]))
+    theirs = [(ref.token_ids, ref.top_ids) for ref in expected]
+    num_diverged = check_logprobs_close(ours, theirs, (f"nanoinfer[{backend}]", "transformers"))
+    print(f"bfloat16 {family} {backend}: {num_diverged}/{len(prompts)} sequences diverged within the top-k")
+
+
+# --- KV-cache planner vs allocation ---------------------------------------------------------------------
+
+
+def test_kv_cache_allocation_matches_the_plan_and_a_replan_from_free_memory(cuda_model_dirs, cuda_llm):
+    """The engine allocates exactly plan.num_blocks x plan.block_bytes, and planning again from what the GPU
+    reports after load (mem_get_info) gives the same block count within 2%."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    leftover = torch.cuda.memory_allocated()  # live tensors of earlier tests: "used by others" to the engine
+    with cuda_llm(
+        cuda_model_dirs["qwen3"], dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=1024, enforce_eager=True
+    ) as llm:
+        plan, config, runner = llm.engine.plan, llm.config, llm.engine.model_runner
+        tensors = [t for pair in runner.kv_caches for t in pair]
+        assert len(tensors) == 2 * config.hf_config.num_hidden_layers
+        assert all(t.shape[0] == plan.num_blocks and t.is_cuda for t in tensors)
+        assert sum(t.numel() * t.element_size() for t in tensors) == plan.num_blocks * plan.block_bytes
+
+        free, total = torch.cuda.mem_get_info()
+        # Memory torch's allocator does not hold: the CUDA context, kernels modules, other processes.
+        other = (total - free) - torch.cuda.memory_reserved() + leftover
+        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        # The activation peak, measured again with the engine's own warm-up pass (no request is in flight and
+        # nothing is prefix-cached yet, so overwriting cache blocks is harmless).
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        runner.warmup()
+        torch.cuda.synchronize()
+        activation = torch.cuda.max_memory_allocated() - baseline
+        replan = memory.plan_kv_cache(
+            total_bytes=total, utilization=config.gpu_memory_utilization, weights_bytes=weights,
+            activation_bytes=activation, other_bytes=other, block_bytes=plan.block_bytes,
+            block_size=plan.block_size, max_model_len=config.max_model_len,
+        )  # fmt: skip
+    difference = abs(plan.num_blocks - replan.num_blocks) / replan.num_blocks
+    print(f"planner: engine {plan.num_blocks} blocks, re-plan {replan.num_blocks} ({difference:.2%})")
+    assert difference <= 0.02, (
+        f"engine planned {plan.num_blocks} blocks, a re-plan after load gives {replan.num_blocks} "
+        f"({difference:.2%} apart). Engine: weights {plan.weights_bytes}, activations {plan.activation_bytes}, "
+        f"others {plan.other_bytes}; re-plan: weights {weights}, activations {activation}, others {other}"
+    )
