@@ -1,0 +1,284 @@
+"""`nanoinfer bench`: throughput on nano-vllm's random-prompt workload, optionally beside HF transformers.
+
+Picks the defaults by device, builds the Config (flag > YAML > default) and renders what
+`nanoinfer.bench` measured as a rich table and, with --output-json, a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from nanoinfer.cli import app, err_console, user_errors
+from nanoinfer.cli.check_config import (
+    AttentionBackendFlag,
+    CpuKvcacheSpaceGibFlag,
+    DeviceFlag,
+    DtypeFlag,
+    EnablePrefixCachingFlag,
+    EnforceEagerFlag,
+    GpuMemoryUtilizationFlag,
+    KvcacheBlockSizeFlag,
+    MaxModelLenFlag,
+    MaxNumBatchedTokensFlag,
+    MaxNumSeqsFlag,
+    ModelFlag,
+    NumKvcacheBlocksFlag,
+    NumThreadsFlag,
+    TensorParallelSizeFlag,
+)
+from nanoinfer.errors import NanoInferError
+
+# Workload defaults. CUDA: nano-vllm's bench.py shape. CPU: workload W of issue 8 (64 requests,
+# 32..256 in and out, SmolLM2-135M), so the HF ratio is the one issue 8 asks for; see benchmarks/README.md.
+CUDA_DEFAULTS = {"num_requests": 256, "input_len": (100, 1024), "output_len": (100, 1024)}
+CPU_DEFAULTS = {"num_requests": 64, "input_len": (32, 256), "output_len": (32, 256)}
+CUDA_DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "models" / "qwen3-0.6b"
+COMPARE_CHOICES = ("hf",)
+_WORKLOAD = "Workload"
+
+
+@app.command("bench")
+def bench(
+    ctx: typer.Context,
+    model: ModelFlag = None,
+    config: Annotated[Path | None, typer.Option(help="Engine YAML; flags override its values.")] = None,
+    num_requests: Annotated[
+        int | None,
+        typer.Option(help="Requests (default: 256 on CUDA, 64 on CPU).", rich_help_panel=_WORKLOAD),
+    ] = None,
+    input_len: Annotated[
+        tuple[int, int] | None,
+        typer.Option(
+            help="Prompt lengths, min and max (default: 100 1024 on CUDA, 32 256 on CPU).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    output_len: Annotated[
+        tuple[int, int] | None,
+        typer.Option(
+            help="Output lengths, min and max (default: 100 1024 on CUDA, 32 256 on CPU).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random workload.", rich_help_panel=_WORKLOAD)] = 0,
+    compare: Annotated[
+        str | None, typer.Option(help="Also run a peer on the same workload: hf (transformers' generate).")
+    ] = None,
+    hf_batch_size: Annotated[
+        int | None, typer.Option(help="Requests per HF generate call (default: all of them in one batch).")
+    ] = None,
+    output_json: Annotated[Path | None, typer.Option(help="Write every number and machine facts here.")] = None,
+    warmup: Annotated[bool, typer.Option(help="One short untimed generate per engine first.")] = True,
+    dtype: DtypeFlag = None,
+    device: DeviceFlag = None,
+    max_num_seqs: MaxNumSeqsFlag = None,
+    max_num_batched_tokens: MaxNumBatchedTokensFlag = None,
+    max_model_len: MaxModelLenFlag = None,
+    kvcache_block_size: KvcacheBlockSizeFlag = None,
+    num_kvcache_blocks: NumKvcacheBlocksFlag = None,
+    cpu_kvcache_space_gib: CpuKvcacheSpaceGibFlag = None,
+    gpu_memory_utilization: GpuMemoryUtilizationFlag = None,
+    tensor_parallel_size: TensorParallelSizeFlag = None,
+    enforce_eager: EnforceEagerFlag = None,
+    attention_backend: AttentionBackendFlag = None,
+    enable_prefix_caching: EnablePrefixCachingFlag = None,
+    num_threads: NumThreadsFlag = None,
+):
+    """Measure generation throughput on random prompts (nano-vllm's bench.py workload).
+
+    Each request has a random prompt (token ids) and a random output length; EOS is ignored and decoding is
+    greedy. Defaults: on CUDA 256 requests, 100-1024 tokens in and out, a Qwen3-0.6B-shaped model with
+    random weights; on CPU the built-in default model and 64 requests, 32-256 in and out.
+
+    Throughput = requested output tokens / wall time (model load and a short warm-up excluded).
+
+    --compare hf runs Hugging Face transformers' batched generate on the same requests in the same process
+    (left-padded; each batch generates its longest output length, only requested tokens count).
+    """
+    from nanoinfer import bench as bench_lib
+
+    overrides = {
+        "model": model, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+        "kvcache_block_size": kvcache_block_size, "num_kvcache_blocks": num_kvcache_blocks,
+        "cpu_kvcache_space_gib": cpu_kvcache_space_gib, "gpu_memory_utilization": gpu_memory_utilization,
+        "tensor_parallel_size": tensor_parallel_size, "enforce_eager": enforce_eager,
+        "attention_backend": attention_backend, "enable_prefix_caching": enable_prefix_caching,
+        "num_threads": num_threads,
+    }  # fmt: skip
+    with user_errors():
+        if compare is not None and compare not in COMPARE_CHOICES:
+            raise NanoInferError(f"--compare {compare} is not a known peer. Use one of: {', '.join(COMPARE_CHOICES)}.")
+        cfg, notes = _build_config(config, overrides)
+        defaults = CUDA_DEFAULTS if cfg.device == "cuda" else CPU_DEFAULTS
+        workload = bench_lib.make_workload(
+            num_requests if num_requests is not None else defaults["num_requests"],
+            tuple(input_len or defaults["input_len"]), tuple(output_len or defaults["output_len"]),
+            seed, cfg.hf_config.vocab_size,
+        )  # fmt: skip
+        if workload.max_seq_len > cfg.max_model_len:
+            raise NanoInferError(
+                f"the longest request needs {workload.max_seq_len} tokens (prompt + output) but max_model_len "
+                f"is {cfg.max_model_len}. Raise --max-model-len or lower --input-len / --output-len."
+            )
+        if hf_batch_size is not None and hf_batch_size < 1:
+            raise NanoInferError(f"--hf-batch-size must be at least 1, got {hf_batch_size}.")
+    console = Console(highlight=False, soft_wrap=True)
+    for note in notes:
+        console.print(f"note: {note}", markup=False)
+    console.print(
+        f"model {cfg.model} ({cfg.dtype}, {cfg.device}); workload {workload.num_requests} requests, "
+        f"input {workload.input_len[0]}..{workload.input_len[1]}, output {workload.output_len[0]}.."
+        f"{workload.output_len[1]}, seed {seed}: {workload.num_input_tokens:,} prompt and "
+        f"{workload.num_output_tokens:,} output tokens",
+        markup=False,
+    )
+    model_dir, dtype_name, device_name = cfg.model, cfg.dtype, cfg.device
+    with user_errors():
+        console.print("running nanoinfer ...", markup=False)
+        ours, engine_info = bench_lib.run_nanoinfer(cfg, workload, warmup=warmup)
+        console.print(engine_info["kv_cache"], markup=False)
+        runs = [ours]
+        if compare == "hf":
+            console.print("running HF transformers generate ...", markup=False)
+            runs.append(bench_lib.run_hf(model_dir, workload, dtype_name, device_name, hf_batch_size, warmup))
+    ratio = _ratio(runs)
+    _render(console, runs, ratio)
+    if output_json is not None:
+        report = {
+            "schema": bench_lib.SCHEMA,
+            "command": _command_line(ctx),
+            "machine": bench_lib.machine_info(device_name),
+            "model": str(model_dir),
+            "config": cfg.to_dict(),
+            "notes": notes,
+            "workload": workload.summary(),
+            "engine": engine_info,
+            "startup_to_first_token_s": _startup(engine_info, ours),
+            "runs": [run.to_dict() for run in runs],
+            "ratio": ratio,
+        }
+        output_json.parent.mkdir(parents=True, exist_ok=True)
+        output_json.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {output_json}", markup=False)
+
+
+def _build_config(config_path: Path | None, overrides: dict):
+    """The Config, with the device-dependent default model; returns (config, notes for the user)."""
+    from nanoinfer import bench as bench_lib
+    from nanoinfer.config_file import build_config, merge_settings
+    from nanoinfer.model_source import resolve_model
+
+    values, _, _ = merge_settings(config_path, overrides)
+    notes = []
+    if "model" not in values and _wants_cuda(values.get("device", "auto")):
+        if not (CUDA_DEFAULT_MODEL_CONFIG / "config.json").is_file():
+            raise NanoInferError(
+                f"the CUDA default model config {CUDA_DEFAULT_MODEL_CONFIG} is missing (it ships in the source "
+                "tree). Pass --model with a model folder."
+            )
+        overrides = {**overrides, "model": str(CUDA_DEFAULT_MODEL_CONFIG)}
+        values["model"] = overrides["model"]
+    if "model" in values:
+        model_dir = resolve_model(str(values["model"]))
+        if bench_lib.needs_random_weights(model_dir):
+            on_cuda = _wants_cuda(values.get("device", "auto"))
+            weights_dtype = "bfloat16" if on_cuda and values.get("dtype") != "float32" else "float32"
+            overrides = {**overrides, "model": str(bench_lib.random_weight_model(model_dir, weights_dtype))}
+            notes.append(f"{model_dir} has no weights: using random {weights_dtype} weights with its config.json")
+    return build_config(config_path, overrides), notes
+
+
+def _wants_cuda(device: str) -> bool:
+    """Will the engine run on CUDA? (An unusable `cuda` is Config's to report, before any weights are built.)"""
+    if device not in ("auto", "cuda"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _command_line(ctx: typer.Context) -> str:
+    """The flags given on the command line, as `nanoinfer bench ...` (the same whichever way it was launched)."""
+    parts = ["nanoinfer", ctx.info_name or "bench"]
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)  # an enum of Typer's vendored click: compare by name
+        if source is None or source.name != "COMMANDLINE":
+            continue
+        value = ctx.params[param.name]
+        if getattr(param, "is_flag", False) or isinstance(value, bool):
+            parts.append(param.opts[0] if value or not param.secondary_opts else param.secondary_opts[0])
+        elif isinstance(value, tuple):
+            parts += [param.opts[0], *map(str, value)]
+        else:
+            parts += [param.opts[0], str(value)]
+    return shlex.join(parts)
+
+
+def _ratio(runs) -> dict | None:
+    if len(runs) < 2:
+        return None
+    ours, peer = runs
+    return {
+        "peer": peer.engine,
+        "output_tok_s": ours.output_tok_s / peer.output_tok_s,
+        "total_tok_s": ours.total_tok_s / peer.total_tok_s,
+    }
+
+
+def _startup(engine_info: dict, ours) -> float | None:
+    """Process start -> engine ready, plus time to first token (the warm-up in between not counted)."""
+    ready = engine_info.get("ready_since_process_start_s")
+    return ready + ours.ttft_seconds if ready is not None and ours.ttft_seconds is not None else None
+
+
+def _render(console: Console, runs, ratio: dict | None) -> None:
+    from nanoinfer.memory import format_bytes
+
+    def memory(run) -> str:
+        parts = [f"{format_bytes(run.peak_cuda_bytes)} GPU"] if run.peak_cuda_bytes is not None else []
+        parts += [f"{format_bytes(run.peak_rss_bytes)} RSS"] if run.peak_rss_bytes is not None else []
+        return ", ".join(parts) or "-"
+
+    rows = [
+        ("requests", lambda r: f"{r.num_requests}", None),
+        ("input tokens", lambda r: f"{r.input_tokens:,}", None),
+        ("output tokens (requested)", lambda r: f"{r.output_tokens:,}", None),
+        ("time (s)", lambda r: f"{r.seconds:.2f}", None),
+        ("output tok/s", lambda r: f"{r.output_tok_s:.1f}", "output_tok_s"),
+        ("total tok/s", lambda r: f"{r.total_tok_s:.1f}", "total_tok_s"),
+        ("prefill time (s)", lambda r: f"{r.prefill_seconds:.2f}", None),
+        ("decode time (s)", lambda r: f"{r.decode_seconds:.2f}", None),
+        (
+            "time to first token (s)",
+            lambda r: f"{r.ttft_seconds:.2f}" if r.ttft_seconds is not None else "-",
+            None,
+        ),
+        ("model load (s)", lambda r: f"{r.load_seconds:.2f}", None),
+        ("peak memory", memory, None),
+    ]
+    table = Table(title="Throughput: output tok/s = requested output tokens / wall time", title_justify="left")
+    table.add_column("", style="bold", no_wrap=True)
+    for run in runs:
+        table.add_column(run.engine, justify="right", no_wrap=True)
+    if ratio is not None:
+        table.add_column("ratio", justify="right", no_wrap=True)
+    for label, cell, ratio_key in rows:
+        ratio_cell = [f"{ratio[ratio_key]:.2f}x" if ratio_key else ""] if ratio is not None else []
+        table.add_row(label, *[cell(run) for run in runs], *ratio_cell)
+    console.print(table)
+    peer = next((run for run in runs if run.engine == "hf-transformers"), None)
+    if peer is not None and peer.details.get("wasted_tokens"):
+        err_console.print(
+            f"note: HF generated {peer.generated_tokens:,} tokens for {peer.output_tokens:,} requested "
+            f"(batch {peer.details['batch_size']}: each batch runs to its longest output); only requested "
+            "tokens are counted.",
+            markup=False, highlight=False,
+        )  # fmt: skip
