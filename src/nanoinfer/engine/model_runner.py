@@ -32,8 +32,6 @@ class ModelRunner:
             model = CausalLM(hf_config, self.backend, max_position=max(config.max_model_len, 1))
         load_weights(model, config.model)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        if self.device.type == "cpu":
-            _relayout_for_cpu(self.model)
         self.model.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
         self.sampler = Sampler(config.seed)
         attn = self.model.model.layers[0].self_attn
@@ -140,16 +138,3 @@ class ModelRunner:
             torch.tensor(sample_indices, dtype=torch.long, device=dev),
             sample_seqs,
         )
-
-
-def _relayout_for_cpu(model: torch.nn.Module) -> None:
-    """Store each projection weight column-major, so F.linear's x @ W^T reads a contiguous W^T: MKL's
-    small-batch (decode) GEMMs run faster that way (see ../shared/CPU-CEILINGS.md). Shapes are unchanged."""
-    from nanoinfer.model.layers import ParallelLMHead
-    from nanoinfer.model.linear import ColumnParallelLinear, RowParallelLinear
-
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.weight.data = module.weight.data.t().contiguous().t()
-        elif isinstance(module, ParallelLMHead):
-            module.use_transposed_weight()

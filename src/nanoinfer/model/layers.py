@@ -106,18 +106,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> float32 logits over the full vocabulary (each rank computes its vocabulary shard)."""
 
-    weight_t: torch.Tensor | None = None  # [hidden, vocab] copy for CPU matmuls (see use_transposed_weight)
-
-    def use_transposed_weight(self) -> None:
-        """Keep a [hidden, vocab] copy: on CPU, x @ W^T runs faster from a contiguous W^T, and the table
-        itself stays row-major for the embedding lookup it may be tied to."""
-        self.weight_t = self.weight.detach().t().contiguous()
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None:
-            logits = hidden_states @ self.weight_t
-        else:
-            logits = F.linear(hidden_states, self.weight)
+        logits = F.linear(hidden_states, self.weight)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits.float()
