@@ -315,7 +315,8 @@ def _hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: i
             min_new_tokens=max_new_tokens, pad_token_id=pad_id, logits_processor=LogitsProcessorList([first]),
             temperature=None, top_p=None, top_k=None,
         )  # fmt: skip
-    assert out.shape == (len(prompts), width + max_new_tokens), out.shape
+    if out.shape != (len(prompts), width + max_new_tokens):  # our invariant, not user input
+        raise RuntimeError(f"HF generate returned shape {tuple(out.shape)}")
     return first.at
 
 
