@@ -13,6 +13,7 @@ from nanoinfer.attention.backend import get_backend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
+from nanoinfer.model.cpu_gemm import prepack_linear_weights
 from nanoinfer.model.decoder import CausalLM, head_dim_of
 from nanoinfer.model.loader import load_weights
 from nanoinfer.model.sampler import Sampler
@@ -33,6 +34,8 @@ class ModelRunner:
         load_weights(model, config.model)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
+        if self.device.type == "cpu":
+            self.num_packed_weights = prepack_linear_weights(self.model)
         self.sampler = Sampler(config.seed)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(hf_config)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from nanoinfer.model.cpu_gemm import linear
 
 
 class RMSNorm(nn.Module):
@@ -106,8 +107,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> float32 logits over the full vocabulary (each rank computes its vocabulary shard)."""
 
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.packed_weight: torch.Tensor | None = None  # set by cpu_gemm.prepack_linear_weights
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits.float()
