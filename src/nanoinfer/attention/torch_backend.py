@@ -106,7 +106,9 @@ class TorchBackend:
             slots = slots[:seq_len]
             k = k_cache.view(-1, *k_cache.shape[2:])[slots]
             v = v_cache.view(-1, *v_cache.shape[2:])[slots]
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H_kv, seq_len, D]
+        # 4-D [1, H, L, D]: on CPU only 4-D inputs reach torch's flash kernel; 3-D ones take the math path,
+        # which builds the causal mask and the full score matrix (3-5x slower at 256-1024 tokens).
+        q, k, v = q.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if seq_len == q_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -114,4 +116,4 @@ class TorchBackend:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
             mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
