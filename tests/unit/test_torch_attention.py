@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoinfer.attention.cpu_kernels import cpu_paged_decode_kernel
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.reference import paged_attention_reference, store_kvcache_reference
 from nanoinfer.attention.torch_backend import TorchBackend
+from nanoinfer.cpu_ops import cpu_ops
 
 
 def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
@@ -56,7 +56,7 @@ CASES = [
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3)])
 @pytest.mark.parametrize("case", CASES)
 def test_torch_backend_matches_reference_float32(use_kernel, heads, case):
-    if use_kernel and cpu_paged_decode_kernel() is None:
+    if use_kernel and cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     num_heads, num_kv_heads = heads
     query, k_cache, v_cache, metadata = make_batch(*case, num_heads, num_kv_heads, 64, 256, torch.float32)
@@ -66,7 +66,7 @@ def test_torch_backend_matches_reference_float32(use_kernel, heads, case):
 
 
 def test_cpu_kernel_bfloat16_close_to_reference():
-    if cpu_paged_decode_kernel() is None:
+    if cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [5, 300, 600], 9, 3, 64, 256, torch.bfloat16)
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)

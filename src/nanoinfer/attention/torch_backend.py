@@ -1,6 +1,6 @@
 """The fast torch path (any device; the CPU default): batched decode over the paged cache, SDPA for prefill.
 
-Decode sequences (query_len 1) go to the C++ kernel of cpu_kernels.py on CPU (reads the cache in place),
+Decode sequences (query_len 1) go to the C++ kernel of cpu_ops.py on CPU (reads the cache in place),
 elsewhere to one batched matmul over their gathered slots;
 prefill chunks go one sequence at a time through SDPA (reading this step's keys directly when the
 sequence has no cached prefix). Checked against reference.py in the tests.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.attention.cpu_kernels import cpu_paged_decode_kernel
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.cpu_ops import cpu_ops
 
 
 class TorchBackend:
@@ -62,7 +62,7 @@ class TorchBackend:
         batch = q.shape[0]
         group = q.shape[1] // num_kv_heads
         lens = [seq_lens[i] for i in decode_ids]
-        kernel = cpu_paged_decode_kernel() if self.use_cpu_kernel and query.device.type == "cpu" else None
+        kernel = cpu_ops() if self.use_cpu_kernel and query.device.type == "cpu" else None
         if kernel is not None and query.dtype in (torch.float32, torch.bfloat16):
             tables = metadata.block_tables if all_decode else metadata.block_tables[torch.tensor(decode_ids)]
             lens_t = metadata.seq_lens if all_decode else torch.tensor(lens, dtype=torch.int32)

@@ -10,8 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from nanoinfer.model.cpu_gemm import linear
+
+
+def _fused_ops(x: torch.Tensor):
+    """The C++ CPU kernels when they apply to x (float32 on CPU and the kernels built), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return cpu_ops()
 
 
 class RMSNorm(nn.Module):
@@ -21,7 +29,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x) or, with a residual, (norm(x + residual), x + residual): the fused pre-norm step."""
+        """norm(x) or, with a residual, (norm(x + residual), x + residual): the fused pre-norm step.
+
+        On CPU in float32 one C++ pass does it, and the fused form overwrites both inputs (x with the
+        norm, residual with the sum): the decoder layer owns them and reads neither afterwards."""
+        ops = _fused_ops(x)
+        if ops is not None:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if x.is_contiguous() and residual.is_contiguous():
+                ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is not None:
             x = x + residual
             residual = x
@@ -33,6 +51,9 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    ops = _fused_ops(x)
+    if ops is not None and x.dim() == 2 and x.is_contiguous():
+        return ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -55,7 +76,11 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, H_kv, D] -> rotated copies."""
+        """q [T, H, D], k [T, H_kv, D] -> rotated (on CPU in float32: rotated in place, one C++ pass)."""
+        ops = _fused_ops(q)
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and self.cos.device == q.device:
+            ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,6 +1,7 @@
-"""The CPU paged decode attention kernel (csrc/cpu_paged_attention.cpp), compiled once per machine with
-torch's C++ extension builder and cached (~/.cache/torch_extensions). Where no compiler is available the
-torch backend falls back to its gather-based path, with one warning."""
+"""nanoinfer's CPU kernels (csrc/: paged decode attention, RMSNorm, rotary, SiLU-and-mul), compiled once per
+machine with torch's C++ extension builder and cached (~/.cache/torch_extensions). Where no compiler is
+available every caller falls back to plain torch ops, after one warning; NANOINFER_DISABLE_CPU_KERNELS=1
+forces that fallback (the tests use it to check both paths)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import os
 from pathlib import Path
 
 logger = logging.getLogger("nanoinfer")
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 _module = None
 _failed = False
 
 
-def cpu_paged_decode_kernel():
-    """The compiled `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)`, or None."""
+def cpu_ops():
+    """The compiled module (see csrc/bindings.cpp for its functions), or None."""
     global _module, _failed
     if _module is not None or _failed:
         return _module
@@ -26,19 +27,20 @@ def cpu_paged_decode_kernel():
     try:
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-        name = f"nanoinfer_cpu_attention_{digest}"
+        files = sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("*.h"))
+        digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()[:12]
+        name = f"nanoinfer_cpu_ops_{digest}"  # a changed source builds anew instead of loading a stale build
         _remove_stale_lock(name)
         _module = load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(f) for f in files if f.suffix == ".cpp"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
         _failed = True
-        logger.warning("CPU attention kernel unavailable (%s); using the slower torch path.", str(e).splitlines()[0])
+        logger.warning("CPU kernels unavailable (%s); using the slower torch ops.", str(e).splitlines()[0])
     return _module
 
 

@@ -1,0 +1,23 @@
+// The Python module of nanoinfer's CPU kernels (built by nanoinfer/cpu_ops.py).
+#include "simd.h"
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                      torch::Tensor sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
+  m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension (float32)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (float32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [tokens, 2 * intermediate] matrix (float32)");
+  m.def("rotary_embedding", &rotary_embedding, "neox-style rotary of q and k in place (float32)");
+#ifdef NANOINFER_AVX2
+  m.attr("vectorized") = true;
+#else
+  m.attr("vectorized") = false;
+#endif
+}

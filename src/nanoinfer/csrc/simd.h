@@ -1,0 +1,55 @@
+// Shared by the CPU kernels: element access for float32 / bfloat16 and, where the compiler targets AVX2 +
+// FMA (-march=native on such a CPU), 8-lane helpers. Every kernel keeps a plain-loop path for other CPUs.
+#pragma once
+#include <torch/extension.h>
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NANOINFER_AVX2 1
+#endif
+
+template <typename T> static inline float to_f(T x);
+template <> inline float to_f<float>(float x) { return x; }
+template <> inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); }
+
+// Where token t of a sequence lives: row (block * bs + offset), then KV head h.
+template <typename T>
+static inline const T* row_ptr(const T* cache, const int* table, int t, int bs, int Hkv, int h, int D) {
+  return cache + (((size_t)table[t / bs] * bs + t % bs) * Hkv + h) * D;
+}
+
+#ifdef NANOINFER_AVX2
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x): Cephes' range reduction and degree-5 polynomial, ~1 ulp; clamped to [-87.3, 88] (0 and ~1.6e38
+// at the ends), which is all softmax (x <= 0) and SiLU (exp(-x) for any x) need.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+#endif

@@ -1,0 +1,97 @@
+"""The C++ CPU kernels for RMSNorm, rotary and SiLU-and-mul against the torch formulas they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.model import layers
+from nanoinfer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels could not be built here")
+
+
+def torch_rms_norm(x, weight, eps):
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (37, 576), (5, 9, 64), (3, 100)])  # 100: not a multiple of 8
+def test_rms_norm(shape):
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
+    torch.testing.assert_close(cpu_ops().rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_of_strided_heads():
+    """Qwen3's per-head q norm reads heads straight out of the fused qkv output (rows not back to back)."""
+    qkv = torch.randn(6, 9 * 64 + 2 * 3 * 64)
+    q = qkv[:, : 9 * 64].view(6, 9, 64)
+    w = torch.randn(64)
+    torch.testing.assert_close(cpu_ops().rms_norm(q, w, 1e-6), torch_rms_norm(q, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_add_rms_norm_updates_both_in_place():
+    gen = torch.Generator().manual_seed(1)
+    x, residual, w = torch.randn(11, 100, generator=gen), torch.randn(11, 100, generator=gen), torch.randn(100)
+    expected_sum = x + residual
+    expected = torch_rms_norm(expected_sum, w, 1e-5)
+    cpu_ops().fused_add_rms_norm(x, residual, w, 1e-5)
+    torch.testing.assert_close(residual, expected_sum, rtol=0, atol=0)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("intermediate", [1536, 100])
+def test_silu_and_mul(intermediate):
+    x = torch.randn(17, 2 * intermediate, generator=torch.Generator().manual_seed(2)) * 8  # deep in both tails
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops().silu_and_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_and_mul_extremes_are_finite():
+    x = torch.tensor([[-1000.0, -90.0, 0.0, 90.0, 1000.0, 1.0, -1.0, 3.0] + [1.0] * 8])
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops().silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_in_place_on_qkv_views_matches_torch(tiny_hf_config, head_dim):
+    rotary = RotaryEmbedding(tiny_hf_config, head_dim, max_position=300)
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, heads, kv_heads = 7, 4, 2
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    positions = torch.tensor([0, 1, 5, 64, 100, 255, 299])
+    cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
+    expected_q = q * cos + layers._rotate_half(q) * sin
+    expected_k = k * cos + layers._rotate_half(k) * sin
+    out_q, out_k = rotary(positions, q, k)
+    assert out_q.data_ptr() == q.data_ptr()  # rotated in place, in the qkv buffer
+    torch.testing.assert_close(out_q, expected_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_k, expected_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], v_before, rtol=0, atol=0)  # v untouched
+
+
+def test_layers_fall_back_to_torch_without_kernels(monkeypatch):
+    """Other dtypes and a machine without a compiler take the torch formulas, with the same results."""
+    norm = RMSNorm(64, 1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    fused_out, fused_res = norm(x.clone(), residual.clone())
+    monkeypatch.setattr(layers, "cpu_ops", lambda: None)
+    out, res = norm(x.clone(), residual.clone())
+    torch.testing.assert_close(out, fused_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(res, fused_res, rtol=0, atol=0)
+    gate_up = torch.randn(3, 32)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate_up[:, :16]) * gate_up[:, 16:])
+
+
+@pytest.fixture
+def tiny_hf_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
