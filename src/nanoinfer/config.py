@@ -211,62 +211,21 @@ class Config:
         return []
 
     def _resolve_attention_backend(self, device_ok: bool, bad: set[str]) -> list[ConfigProblem]:
-        import importlib.util
+        from nanoinfer.attention.backend import select_backend
 
-        backend = self.attention_backend
         if "attention_backend" in bad:
             return []
-        if backend not in ATTENTION_BACKENDS:
-            return [_choice_problem("attention_backend", backend, ATTENTION_BACKENDS)]
-        if not device_ok:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            return [_choice_problem("attention_backend", self.attention_backend, ATTENTION_BACKENDS)]
+        if not device_ok or "dtype" in bad:
             return []
-        has_flash_attn = importlib.util.find_spec("flash_attn") is not None
-        has_triton = importlib.util.find_spec("triton") is not None
-        half = self.dtype in ("bfloat16", "float16")
-        if backend == "auto":
-            if self.device == "cuda" and has_flash_attn and half:
-                backend, why = "flash-attn", "CUDA, flash-attn installed"
-            elif self.device == "cuda" and has_triton:
-                backend, why = "triton", "CUDA" + ("" if half else f", {self.dtype}")
-            else:
-                backend, why = "torch", f"{self.device}"
+        try:
+            backend, why = select_backend(self.attention_backend, self.device, self.dtype)
+        except ConfigError as e:
+            return list(e.problems)
+        if self.attention_backend == "auto":
             self.attention_backend = backend
             self.notes.append(("attention_backend", backend, f"auto: {why}"))
-            return []
-        if backend in ("triton", "flash-attn") and self.device != "cuda":
-            return [
-                ConfigProblem(
-                    "attention_backend",
-                    backend,
-                    f"runs only on CUDA but device is {self.device}. Use attention_backend: torch (or auto).",
-                )
-            ]
-        if backend == "flash-attn" and not has_flash_attn:
-            return [
-                ConfigProblem(
-                    "attention_backend",
-                    backend,
-                    "needs the flash-attn package, which is not installed. Install it with "
-                    "`pip install 'nanoinfer[cuda]'`, or use attention_backend: triton (or auto).",
-                )
-            ]
-        if backend == "flash-attn" and not half:
-            return [
-                ConfigProblem(
-                    "attention_backend",
-                    backend,
-                    f"supports only float16 and bfloat16, but dtype is {self.dtype}. "
-                    "Use dtype: bfloat16, or attention_backend: triton.",
-                )
-            ]
-        if backend == "triton" and not has_triton:
-            return [
-                ConfigProblem(
-                    "attention_backend",
-                    backend,
-                    "needs the triton package. Install triton, or use torch (or auto).",
-                )
-            ]
         return []
 
     def to_dict(self) -> dict:

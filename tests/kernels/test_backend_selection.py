@@ -1,4 +1,4 @@
-"""Which attention backend runs where (backend.resolve_backend_name / get_backend), and FlashAttnBackend's
+"""Which attention backend runs where (backend.select_backend / get_backend), and FlashAttnBackend's
 calls into flash-attn, checked against a stand-in module since flash-attn does not install on CPU machines.
 """
 
@@ -28,49 +28,55 @@ def installed(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("flash_attn", "triton", "device", "expected"),
+    ("flash_attn", "triton", "device", "dtype", "expected"),
     [
-        (True, True, "cuda", "flash-attn"),
-        (False, True, "cuda", "triton"),  # flash-attn's build is optional: CUDA machines still get kernels
-        (False, False, "cuda", "torch"),
-        (False, True, "cpu", "torch"),
-        (True, True, "cpu", "torch"),  # neither kernel package runs on CPU
+        (True, True, "cuda", "bfloat16", "flash-attn"),
+        (True, True, "cuda", "float32", "triton"),  # flash-attn has no float32 kernels
+        (False, True, "cuda", "bfloat16", "triton"),  # flash-attn's build is optional: CUDA still gets kernels
+        (False, False, "cuda", "bfloat16", "torch"),
+        (False, True, "cpu", "float32", "torch"),
+        (True, True, "cpu", "bfloat16", "torch"),  # neither kernel package runs on CPU
     ],
 )
 def test_auto_prefers_flash_attn_then_triton_on_cuda_and_torch_elsewhere(installed, flash_attn, triton, device,
-                                                                          expected):
+                                                                          dtype, expected):
     installed(flash_attn=flash_attn, triton=triton)
-    assert backend.resolve_backend_name("auto", device) == expected
+    assert backend.select_backend("auto", device, dtype)[0] == expected
 
 
 @pytest.mark.parametrize("requested", ["triton", "flash-attn"])
 def test_forcing_a_cuda_backend_on_cpu_is_a_config_error_with_a_fix(installed, requested):
     installed(flash_attn=True, triton=True)
     with pytest.raises(ConfigError) as excinfo:
-        backend.resolve_backend_name(requested, "cpu")
+        backend.select_backend(requested, "cpu", "bfloat16")
     message = str(excinfo.value)
     assert f"attention_backend = '{requested}'" in message
-    assert "needs a CUDA device, but device is cpu" in message
-    assert "Use 'auto' or 'torch'" in message
+    assert "runs only on CUDA but device is cpu" in message
+    assert "Use attention_backend: torch (or auto)" in message
 
 
 def test_forcing_flash_attn_without_the_package_names_the_install_command(installed):
     installed(flash_attn=False, triton=True)
-    with pytest.raises(ConfigError, match=r"flash_attn package is not installed\. `pip install nanoinfer\[cuda\]`"):
-        backend.resolve_backend_name("flash-attn", "cuda")
+    with pytest.raises(ConfigError, match=r"flash-attn package, which is not installed\. .*nanoinfer\[cuda\]"):
+        backend.select_backend("flash-attn", "cuda", "bfloat16")
+
+
+def test_forcing_flash_attn_in_float32_names_the_dtype_fix(installed):
+    installed(flash_attn=True, triton=True)
+    with pytest.raises(ConfigError, match=r"supports only float16 and bfloat16, but dtype is float32"):
+        backend.select_backend("flash-attn", "cuda", "float32")
 
 
 def test_forced_names_that_can_run_are_kept(installed):
     installed(flash_attn=False, triton=True)
-    assert backend.resolve_backend_name("triton", "cuda") == "triton"
-    assert backend.resolve_backend_name("torch", "cuda") == "torch"
+    assert backend.select_backend("triton", "cuda", "float32") == ("triton", "set")
+    assert backend.select_backend("torch", "cuda", "bfloat16") == ("torch", "set")
 
 
-def test_get_backend_builds_the_resolved_backend(installed):
+def test_get_backend_builds_the_named_backend():
     pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
-    installed(flash_attn=False, triton=True)
-    assert backend.get_backend("auto", "cpu").name == "torch"
-    assert backend.get_backend("auto", "cuda").name == "triton"  # builds without touching the device
+    assert backend.get_backend("torch").name == "torch"
+    assert backend.get_backend("triton").name == "triton"  # builds without touching the device
 
 
 # --- FlashAttnBackend against a stand-in flash_attn ---------------------------------------------------
@@ -155,7 +161,7 @@ def test_flash_attn_backend_calls_match_the_reference(monkeypatch, installed, pa
     calls = []
     monkeypatch.setitem(sys.modules, "flash_attn", make_fake_flash_attn(calls))
     installed(flash_attn=True, triton=True)
-    attn = backend.get_backend("auto", "cuda")
+    attn = backend.get_backend("flash-attn")
     assert attn.name == "flash-attn"
     batch = paged_batch(specs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=256, dtype=torch.bfloat16)
     store_kvcache_reference(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)

@@ -65,6 +65,24 @@ def test_torch_backend_matches_reference_float32(use_kernel, heads, case):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_unwritten_cache_slots_are_never_read(use_kernel):
+    """The CPU cache is allocated uninitialised: NaN in every slot past a sequence's length (its last block's
+    tail, and block 0 standing in for missing table entries) must not reach the output."""
+    if use_kernel and cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    case = ([1, 1, 5, 1], [3, 300, 40, 700])
+    query, k_cache, v_cache, metadata = make_batch(*case, 9, 3, 64, 256, torch.float32)
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for i, length in enumerate(metadata.seq_lens_cpu):
+        for t in range(length):
+            written[metadata.block_tables[i, t // 256], t % 256] = True
+    k_cache[~written], v_cache[~written] = float("nan"), float("nan")
+    got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
 def test_cpu_kernel_bfloat16_close_to_reference():
     if cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernel")

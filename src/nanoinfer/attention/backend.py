@@ -40,27 +40,42 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend_name(requested: str, device: str) -> str:
-    """auto -> flash-attn (CUDA, package present) > triton (CUDA) > torch. Forced names are checked."""
+def select_backend(requested: str, device: str, dtype: str) -> tuple[str, str]:
+    """The one rule: (backend name, why) for `attention_backend: requested` on this device and dtype.
+
+    auto -> flash-attn (CUDA, package installed, fp16/bf16) > triton (CUDA, package installed) > torch.
+    A forced name that cannot run here is a ConfigError naming the fix. Config calls this while resolving,
+    so the engine only ever sees a name that runs."""
+
+    def problem(rule: str) -> ConfigError:
+        return ConfigError([ConfigProblem("attention_backend", requested, rule)])
+
+    half = dtype in ("bfloat16", "float16")
     if requested == "auto":
-        if device == "cuda":
-            if flash_attn_available():
-                return "flash-attn"
-            if triton_available():
-                return "triton"
-        return "torch"
+        if device == "cuda" and flash_attn_available() and half:
+            return "flash-attn", "CUDA, flash-attn installed"
+        if device == "cuda" and triton_available():
+            return "triton", "CUDA" + ("" if half else f", {dtype}")
+        return "torch", device
     if requested in ("triton", "flash-attn") and device != "cuda":
-        raise ConfigError([ConfigProblem(
-            "attention_backend", requested, f"needs a CUDA device, but device is {device}. Use 'auto' or 'torch'.")])
+        raise problem(f"runs only on CUDA but device is {device}. Use attention_backend: torch (or auto).")
     if requested == "flash-attn" and not flash_attn_available():
-        raise ConfigError([ConfigProblem(
-            "attention_backend", requested,
-            "the flash_attn package is not installed. `pip install nanoinfer[cuda]` or use 'auto'/'triton'.")])
-    return requested
+        raise problem(
+            "needs the flash-attn package, which is not installed. Install it with "
+            "`pip install 'nanoinfer[cuda]'`, or use attention_backend: triton (or auto)."
+        )
+    if requested == "flash-attn" and not half:
+        raise problem(
+            f"supports only float16 and bfloat16, but dtype is {dtype}. Use dtype: bfloat16, or attention_backend: "
+            "triton."
+        )
+    if requested == "triton" and not triton_available():
+        raise problem("needs the triton package. Install triton, or use torch (or auto).")
+    return requested, "set"
 
 
-def get_backend(requested: str, device: str) -> AttentionBackend:
-    name = resolve_backend_name(requested, device)
+def get_backend(name: str) -> AttentionBackend:
+    """The backend for a name select_backend returned (Config.attention_backend once resolved)."""
     if name == "flash-attn":
         from nanoinfer.attention.flash_attn_backend import FlashAttnBackend
 

@@ -86,6 +86,7 @@ class TorchBackend:
             lens_t = torch.tensor(lens, device=query.device)
             pad = torch.arange(max_len, device=query.device).unsqueeze(0) >= lens_t.unsqueeze(1)  # [B, L]
             scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+            v = v.masked_fill(pad[:, :, None, None], 0)  # padded slots may be unwritten (NaN * 0 = NaN)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         o = torch.matmul(probs, v.permute(0, 2, 1, 3)).reshape(batch, -1, head_dim)  # [B, H_q, D]
         if all_decode:

@@ -28,7 +28,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.kvcache_block_size
-        self.backend = get_backend(config.attention_backend, config.device)
+        self.backend = get_backend(config.attention_backend)
         with torch.device("cpu"):
             model = CausalLM(hf_config, self.backend, max_position=max(config.max_model_len, 1))
         load_weights(model, config.model)
@@ -45,8 +45,13 @@ class ModelRunner:
         self.kv_caches = []  # drop the old cache before allocating the new one
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.num_blocks = num_blocks
+        # On CPU the cache is left uninitialised: the OS then commits its pages only as blocks fill up, so a
+        # 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB of resident memory for a small
+        # job (the planner already checked the budget against available RAM). Every backend reads only
+        # slots below a sequence's length, which were written first.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         self.kv_caches = [
-            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            tuple(alloc(shape, dtype=self.dtype, device=self.device) for _ in range(2))
             for _ in range(self.config.hf_config.num_hidden_layers)
         ]
 
