@@ -48,7 +48,7 @@ DEFAULT_NUM_REQUESTS, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, DEFAULT_SEED = 64, 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LLAMA_MAX_SEQ = 256  # llama.cpp's compile-time cap on sequences per context (src/llama-cparams.h)
 GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR = 3, 4  # ggml.h's enum ggml_log_level
-LLAMA_LOG_KEEP = ("flash_attn", "n_ctx_seq", "llama_kv_cache: size", "CPU_REPACK", "file type")
+LLAMA_LOG_KEEP = ("flash_attn", "Flash Attention", "n_ctx_seq =", "llama_kv_cache: size", "CPU_REPACK", "file type")
 WORKER_UNAVAILABLE = 3  # a worker's exit code when its engine's packages are missing or unusable here
 SAMPLE_TOKENS = 8  # first output ids of request 0, kept in the JSON to eyeball that engines agree
 OV_DTYPE = {"f32": "float32", "bf16": "bfloat16"}  # OpenVINO's names -> nanoinfer's, for one precision column
@@ -139,52 +139,82 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Measure peer engines on nanoinfer's workload W and print ratios against nanoinfer.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--peers",
         default="nanoinfer,openvino-f32,openvino-bf16,llamacpp",
         help=f"Comma-separated engines: {', '.join(ENGINES)}; aliases: "
         + ", ".join(f"{k} = {'+'.join(v)}" for k, v in ALIASES.items() if k != "all")
-        + ", all.",
+        + ", all. Default: %(default)s.",
     )
-    p.add_argument("--threads", type=int, default=2, help="Compute threads for every engine.")
-    p.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS)
-    p.add_argument("--input-len", type=int, nargs=2, default=list(DEFAULT_INPUT_LEN), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=list(DEFAULT_OUTPUT_LEN), metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--threads", type=int, default=2, help="Compute threads for every engine (default: %(default)s).")
+    w = p.add_argument_group("workload (defaults: nanoinfer bench's on CPU, i.e. workload W)")
+    w.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="Requests (default: %(default)s).")
+    w.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=list(DEFAULT_INPUT_LEN),
+        metavar=("MIN", "MAX"),
+        help="Prompt lengths, inclusive (default: 32 256).",
+    )
+    w.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=list(DEFAULT_OUTPUT_LEN),
+        metavar=("MIN", "MAX"),
+        help="Output lengths, inclusive (default: 32 256).",
+    )
+    w.add_argument("--seed", type=int, default=DEFAULT_SEED, help="Seed of the random workload (default: %(default)s).")
     p.add_argument("--output-json", help="Write every number, settings and machine facts here.")
-    p.add_argument("--work-dir", help="Folder for the workload, per-engine results and logs (default: a new temp dir).")
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="Per-engine limit, load and export included.")
+    p.add_argument(
+        "--work-dir", help="Folder for the workload, per-engine results and logs (default: a new temporary folder)."
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=3600.0,
+        help="Per-engine limit in seconds, load and export included (default: %(default)s).",
+    )
     p.add_argument(
         "--nanoinfer-cmd",
         default=None,
         help="Command that runs nanoinfer's CLI (default: the project's .venv/bin/nanoinfer, else "
         "`nanoinfer` on PATH).",
     )
-    p.add_argument("--nanoinfer-args", default="", help="Extra `nanoinfer bench` flags, e.g. '--dtype bfloat16'.")
+    p.add_argument(
+        "--nanoinfer-args",
+        default="",
+        help="Extra `nanoinfer bench` flags, e.g. '--dtype bfloat16' (the precision column follows).",
+    )
     ov = p.add_argument_group("OpenVINO GenAI (SchedulerConfig and plugin properties; see README)")
     ov.add_argument(
-        "--ov-cache-gb", type=int, default=4, help="KV cache size in GB (an integer), like nanoinfer's 4 GiB default."
+        "--ov-cache-gb",
+        type=int,
+        default=4,
+        help="KV cache size in GB, an integer (default: %(default)s, nanoinfer's 4 GiB).",
     )
     ov.add_argument(
         "--ov-max-num-batched-tokens",
         type=int,
         default=16384,
-        help="Tokens per step, nanoinfer's max_num_batched_tokens default.",
+        help="Most tokens per step (default: %(default)s, nanoinfer's max_num_batched_tokens).",
     )
-    ov.add_argument("--ov-max-num-seqs", type=int, default=512, help="Sequences per step (nanoinfer: 512).")
+    ov.add_argument(
+        "--ov-max-num-seqs", type=int, default=512, help="Most sequences per step (default: %(default)s, as nanoinfer)."
+    )
     ov.add_argument(
         "--ov-dynamic-split-fuse",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Mix prompt chunks and decodes in one step (OpenVINO's default).",
+        help="Mix prompt chunks and decodes in one step (default: on, OpenVINO's default).",
     )
     ov.add_argument(
         "--ov-kv-cache-precision",
         default="match",
-        help="'match' = the inference precision (f32 or bf16); 'default' = the plugin's (u8 on CPU); "
-        "or an OpenVINO type name such as u8, f16.",
+        help="'match' (default): the precision that actually runs (f32, or bf16 where the CPU has it); "
+        "'default': the CPU plugin's own (u8); or an OpenVINO type name such as f16, u8.",
     )
     ov.add_argument(
         "--ov-export-python",
@@ -192,8 +222,12 @@ def _parser() -> argparse.ArgumentParser:
         help="Python of a venv with optimum-intel, for the one-time IR export (default: this one).",
     )
     lc = p.add_argument_group("llama.cpp")
-    lc.add_argument("--llamacpp-n-batch", type=int, default=2048, help="Tokens per llama_decode call.")
-    lc.add_argument("--llamacpp-n-ubatch", type=int, default=512, help="Tokens per compute micro-batch.")
+    lc.add_argument(
+        "--llamacpp-n-batch", type=int, default=2048, help="Tokens per llama_decode call (default: %(default)s)."
+    )
+    lc.add_argument(
+        "--llamacpp-n-ubatch", type=int, default=512, help="Tokens per compute micro-batch (default: %(default)s)."
+    )
     lc.add_argument(
         "--llamacpp-parallel",
         type=int,
@@ -698,16 +732,9 @@ def _llama_loop(lc, np, ctx, batch, n_vocab, n_batch, parallel, prompts, output_
         while waiting and free_ids:
             active[free_ids.pop()] = {"req": waiting.popleft(), "fed": 0, "pos": 0, "last": None}
         n, outputs, has_prompt = 0, [], False
-
-        def add(token, pos, seq_id, want_logits):
-            nonlocal n
-            batch.token[n], batch.pos[n], batch.n_seq_id[n] = int(token), pos, 1
-            batch.seq_id[n][0], batch.logits[n] = seq_id, want_logits
-            n += 1
-
         for seq_id, s in active.items():  # decode tokens first, so prompts never starve running sequences
             if s["last"] is not None:
-                add(s["last"], s["pos"], seq_id, True)
+                n = _batch_add(batch, n, s["last"], s["pos"], seq_id, True)
                 s["pos"] += 1
                 outputs.append(seq_id)
         for seq_id, s in active.items():
@@ -716,7 +743,7 @@ def _llama_loop(lc, np, ctx, batch, n_vocab, n_batch, parallel, prompts, output_
                 continue
             take = min(n_batch - n, len(prompt) - s["fed"])
             for i in range(s["fed"], s["fed"] + take):
-                add(prompt[i], i, seq_id, i == len(prompt) - 1)
+                n = _batch_add(batch, n, prompt[i], i, seq_id, i == len(prompt) - 1)
             s["fed"] += take
             s["pos"] = s["fed"]
             has_prompt = True
@@ -748,6 +775,13 @@ def _llama_loop(lc, np, ctx, batch, n_vocab, n_batch, parallel, prompts, output_
     seconds = time.perf_counter() - start
     return {"generated": generated, "calls": calls, "seconds": seconds, "prefill_seconds": prefill_seconds,
             "ttft": ttft, "outputs": outputs_by_req}  # fmt: skip
+
+
+def _batch_add(batch, n: int, token: int, pos: int, seq_id: int, want_logits: bool) -> int:
+    """Put one token of one sequence at slot n of a llama_batch; returns the next free slot."""
+    batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, pos, 1
+    batch.seq_id[n][0], batch.logits[n] = seq_id, want_logits
+    return n + 1
 
 
 def _quiet_llama_logs(lc):
