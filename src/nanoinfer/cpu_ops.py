@@ -28,9 +28,14 @@ def cpu_ops():
         from torch.utils.cpp_extension import load
 
         files = sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("*.h"))
-        digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()[:12]
-        name = f"nanoinfer_cpu_ops_{digest}"  # a changed source builds anew instead of loading a stale build
+        # The name covers the sources and where they are: a changed source builds anew instead of loading a
+        # stale build, and two checkouts on one machine keep separate builds (sharing one, each process's
+        # ninja saw the other's paths and rebuilt, under a lock the other was waiting on).
+        content = str(_CSRC.resolve()).encode() + b"".join(f.name.encode() + f.read_bytes() for f in files)
+        name = f"nanoinfer_cpu_ops_{hashlib.sha256(content).hexdigest()[:12]}"
         _remove_stale_lock(name)
+        if not _is_built(name):  # say why the first run on a machine pauses (no logging is configured: stderr)
+            logger.warning("building nanoinfer's CPU kernels for this machine (first run only, about 2 minutes)")
         _module = load(
             name=name,
             sources=[str(f) for f in files if f.suffix == ".cpp"],
@@ -57,3 +62,9 @@ def _remove_stale_lock(name: str) -> None:
             lock.unlink()
     except OSError:
         pass
+
+
+def _is_built(name: str) -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()

@@ -11,6 +11,7 @@ import torch
 
 from nanoinfer.attention.backend import get_backend
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.model.cpu_gemm import prepack_linear_weights
@@ -36,6 +37,9 @@ class ModelRunner:
         self.model.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
         if self.device.type == "cpu":
             self.num_packed_weights = prepack_linear_weights(self.model)
+            # Build (first run on a machine, ~2 min) or load the C++ kernels now, as part of loading, rather
+            # than inside the first step where it would count as generation time.
+            cpu_ops()
         self.sampler = Sampler(config.seed)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(hf_config)
