@@ -125,7 +125,11 @@ def test_exception_in_rank0_mid_step_stops_the_workers(sharded_llms, monkeypatch
 # Generates once, then idles until the test creates ./go (so waiting drivers leave the CPU to the others),
 # then generates until it is stopped.
 DRIVER = """
-import json, os, sys, time
+import json, os, signal, sys, time
+# A terminal's process has the default Ctrl-C handler; a child of pytest inherits whatever pytest's SIGINT
+# disposition was at Popen time (SIG_IGN survives exec), which once made this driver deaf to SIGINT in a
+# full run. Set it before nanoinfer is imported, so anything nanoinfer does to it still shows.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.errors import NanoInferError
 
