@@ -49,14 +49,19 @@ def cpu_ops():
     return _module
 
 
+def _build_dir(name: str) -> Path:
+    """Where torch's extension builder keeps this build (a private helper of torch, used read-only)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
 def _remove_stale_lock(name: str) -> None:
     # torch's builder waits forever on a lock file left by a build that was killed (kill -9); a real
     # build takes a minute or two, so a lock older than ten minutes is stale.
     import time
 
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    lock = _build_dir(name) / "lock"
     try:
         if time.time() - lock.stat().st_mtime > 600:
             lock.unlink()
@@ -65,6 +70,4 @@ def _remove_stale_lock(name: str) -> None:
 
 
 def _is_built(name: str) -> bool:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    return (_build_dir(name) / f"{name}.so").is_file()
