@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoinfer.errors import ConfigError, ConfigProblem
+from nanoinfer.model.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
@@ -114,11 +114,9 @@ class Config:
         if str(model_dir) != self.model:
             self.notes.append(("model", str(model_dir), f"resolved from {self.model!r}"))
         self.model = str(model_dir)
-        from transformers import AutoConfig
-
         trust = self.trust_remote_code if "trust_remote_code" not in bad else False
         try:
-            self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=trust)
+            self.hf_config = load_hf_config(self.model, trust_remote_code=trust)
         except (OSError, ValueError, KeyError, TypeError) as e:
             return [
                 ConfigProblem(

@@ -14,6 +14,7 @@ from nanoinfer.engine.sequence import Request, Sequence
 from nanoinfer.errors import RequestError
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.tokenizer import load_tokenizer
 
 
 class LLM:
@@ -31,7 +32,7 @@ class LLM:
                 settings["model"] = model
             config = Config(**settings)
         self.config = config
-        self.tokenizer = load_tokenizer(config)
+        self.tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
         eos_ids = eos_token_ids(config.model, self.tokenizer)
         if config.eos == -1 and eos_ids:
             config.eos = min(eos_ids)  # the seed's placeholder, filled here from the tokenizer
@@ -153,12 +154,6 @@ class LLM:
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs,
                              num_cached_tokens=first.num_cached_tokens,
                              metrics={"num_preemptions": sum(s.num_preemptions for s in request.sequences)})
-
-
-def load_tokenizer(config: Config):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:

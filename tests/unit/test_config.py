@@ -242,8 +242,13 @@ def test_a_wrongly_typed_field_skips_the_rules_that_read_it(model_dir):
     assert problem.field == "max_num_seqs"
 
 
-def test_trust_remote_code_is_off_unless_asked(model_dir, monkeypatch):
+def test_trust_remote_code_is_off_unless_asked(model_dir, tmp_path, monkeypatch):
+    import json
+    import shutil
+
     from transformers import AutoConfig
+
+    from nanoinfer.model.hf_config import HFConfig
 
     calls = []
     original = AutoConfig.from_pretrained
@@ -253,9 +258,14 @@ def test_trust_remote_code_is_off_unless_asked(model_dir, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(AutoConfig, "from_pretrained", spy)
-    Config(model=model_dir, device="cpu")
+    assert isinstance(Config(model=model_dir, device="cpu").hf_config, HFConfig)  # read directly: no code runs
     Config(model=model_dir, device="cpu", trust_remote_code=True)
-    assert calls == [False, True]
+    scaled = shutil.copytree(model_dir, tmp_path / "scaled")  # scaled rotary: only AutoConfig reads it right
+    raw = json.loads((scaled / "config.json").read_text())
+    raw["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (scaled / "config.json").write_text(json.dumps(raw))
+    Config(model=scaled, device="cpu")
+    assert calls == [True, False]
 
 
 def test_replace_revalidates_and_starts_fresh_notes(model_dir):

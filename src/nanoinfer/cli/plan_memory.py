@@ -120,11 +120,11 @@ def _settings(flags: dict, config_path: Path | None) -> dict:
 
 
 def _load_hf_config(model_dir: Path):
-    from transformers import AutoConfig
+    from nanoinfer.model.hf_config import load_hf_config
 
     try:
-        return AutoConfig.from_pretrained(str(model_dir))
-    except (OSError, ValueError, KeyError) as e:
+        return load_hf_config(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot read the model config in {model_dir}: {e}") from None
 
 

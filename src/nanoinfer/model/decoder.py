@@ -21,8 +21,6 @@ from nanoinfer.model.layers import (
 )
 from nanoinfer.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 def head_dim_of(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads

@@ -92,14 +92,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # scaled rotary: transformers' formulas
+
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 
