@@ -175,8 +175,8 @@ def kv_block_bytes(hf_config, block_size: int, tensor_parallel_size: int, dtype:
 class KVCachePlan:
     """How many KV blocks to allocate and where the memory went. All byte counts are per rank.
 
-    budget_bytes = total_bytes x utilization - weights - activations - other; num_blocks x block_bytes
-    fits in it. `max_model_len` is the sequence length the plan was made for.
+    budget_bytes = total_bytes x utilization - weights - activations - CUDA graphs - other; num_blocks x
+    block_bytes fits in it. `max_model_len` is the sequence length the plan was made for.
     """
 
     num_blocks: int
@@ -188,6 +188,7 @@ class KVCachePlan:
     other_bytes: int
     total_bytes: int
     max_model_len: int = 0
+    graph_bytes: int = 0  # the CUDA graphs' memory pool (0 on CPU or with enforce_eager)
 
     @property
     def num_tokens(self) -> int:
@@ -226,9 +227,9 @@ class KVCachePlan:
         )
 
 
-def kv_budget_bytes(*, total_bytes, utilization, weights_bytes, activation_bytes, other_bytes) -> int:
+def kv_budget_bytes(*, total_bytes, utilization, weights_bytes, activation_bytes, other_bytes, graph_bytes=0) -> int:
     """Memory left for the KV cache: total x utilization minus everything else (may be negative)."""
-    return math.floor(total_bytes * utilization) - weights_bytes - activation_bytes - other_bytes
+    return math.floor(total_bytes * utilization) - weights_bytes - activation_bytes - graph_bytes - other_bytes
 
 
 def plan_kv_cache(
@@ -242,6 +243,7 @@ def plan_kv_cache(
     block_size: int,
     max_model_len: int,
     num_kvcache_blocks: int = -1,
+    graph_bytes: int = 0,
 ) -> KVCachePlan:
     """Size the KV cache of one device (per rank under tensor parallelism).
 
@@ -254,19 +256,22 @@ def plan_kv_cache(
         max_model_len: the sequence length the plan is for (see check_fits).
         num_kvcache_blocks: -1 sizes the cache from the budget; a positive value is used as is,
             after checking that it fits in the budget.
+        graph_bytes: memory held by the captured CUDA graphs (measured by the engine).
 
     Returns:
         The plan. Raises OutOfMemoryError when nothing (or not the requested blocks) fits.
     """
     budget = kv_budget_bytes(
         total_bytes=total_bytes, utilization=utilization, weights_bytes=weights_bytes,
-        activation_bytes=activation_bytes, other_bytes=other_bytes,
+        activation_bytes=activation_bytes, other_bytes=other_bytes, graph_bytes=graph_bytes,
     )  # fmt: skip
     usable = math.floor(total_bytes * utilization)
     breakdown = (
         f"gpu_memory_utilization {utilization} x {format_bytes(total_bytes)} = {format_bytes(usable)}, "
         f"minus weights {format_bytes(weights_bytes)}, "
-        f"activation peak {format_bytes(activation_bytes)} and memory used by others "
+        f"activation peak {format_bytes(activation_bytes)}, "
+        + (f"CUDA graphs {format_bytes(graph_bytes)}, " if graph_bytes else "")
+        + "and memory used by others "
         f"{format_bytes(other_bytes)} leaves {format_bytes(budget)} for the KV cache"
     )
     if budget <= 0:
@@ -299,7 +304,7 @@ def plan_kv_cache(
     return KVCachePlan(
         num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size, budget_bytes=budget,
         weights_bytes=weights_bytes, activation_bytes=activation_bytes, other_bytes=other_bytes,
-        total_bytes=total_bytes, max_model_len=max_model_len,
+        total_bytes=total_bytes, max_model_len=max_model_len, graph_bytes=graph_bytes,
     )  # fmt: skip
 
 

@@ -1,8 +1,8 @@
 """The engine on CUDA against Hugging Face transformers on the same GPU, for every attention backend that can
 run here: float32 greedy token for token; bfloat16 by vLLM's check_logprobs_close rule. And the KV-cache
-planner against what the engine really allocated. Run by scripts/gpu_check.sh; skipped without CUDA.
-
-CUDA graphs are not implemented yet (decode always runs eagerly), so there is no graph-vs-eager test.
+planner against what the engine really allocated, CUDA graphs included. Decode runs through CUDA graphs
+(the default) in the comparisons with transformers; graph-vs-eager checks the two paths agree.
+Run by scripts/gpu_check.sh; skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ NUM_LOGPROBS = 5  # vLLM's models tests use 5
 # Small batches so that the two long prompts are prefilled in chunks over their own cached blocks, and
 # prefill chunks share steps with decodes. 64 blocks of 256 tokens hold all 16 sequences at once.
 ENGINE_SETTINGS = dict(
-    max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, num_kvcache_blocks=64, enforce_eager=True
+    max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, num_kvcache_blocks=64, enforce_eager=False
 )
 
 
@@ -152,6 +152,28 @@ def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(cuda_model_dirs, c
     print(f"bfloat16 {family} {backend}: {num_diverged}/{len(prompts)} sequences diverged within the top-k")
 
 
+@pytest.mark.parametrize("backend, dtype", [("triton", "float32"), ("triton", "bfloat16"), ("flash-attn", "bfloat16")])
+def test_cuda_graph_decode_matches_eager(cuda_model_dirs, cuda_llm, no_tf32, backend, dtype):
+    skip_unless_runnable(backend, dtype)
+    model_dir = cuda_model_dirs["qwen3"]
+    prompts = make_prompts(vocab_size(model_dir))
+    runs = {}
+    for eager in (False, True):
+        settings = {**ENGINE_SETTINGS, "enforce_eager": eager}
+        with cuda_llm(model_dir, dtype=dtype, attention_backend=backend, **settings) as llm:
+            graphs = llm.engine.model_runner.graph_runner
+            assert (graphs is None) == eager
+            if not eager:
+                assert graphs.batch_sizes == [1, 2, 4, 8, 16] and llm.engine.plan.graph_bytes > 0
+            outputs = generate(llm, prompts, num_logprobs=NUM_LOGPROBS)
+            runs[eager] = [(o.token_ids, [{t for t, _ in lp.top} for lp in o.outputs[0].logprobs]) for o in outputs]
+    if dtype == "float32":
+        assert [ids for ids, _ in runs[False]] == [ids for ids, _ in runs[True]]
+    else:  # a padded batch may pick other GEMM tiles: low-precision sums may round differently
+        num_diverged = check_logprobs_close(runs[False], runs[True], ("graphs", "eager"))
+        print(f"{dtype} {backend}: graphs vs eager, {num_diverged}/{len(prompts)} sequences diverged within the top-k")
+
+
 # --- KV-cache planner vs allocation ---------------------------------------------------------------------
 
 
@@ -193,3 +215,22 @@ def test_kv_cache_allocation_matches_the_plan_and_a_replan_from_free_memory(cuda
         f"({difference:.2%} apart). Engine: weights {plan.weights_bytes}, activations {plan.activation_bytes}, "
         f"others {plan.other_bytes}; re-plan: weights {weights}, activations {activation}, others {other}"
     )
+
+
+def test_cuda_graphs_fit_in_the_plan(cuda_model_dirs, cuda_llm):
+    """With CUDA graphs captured over the final cache, everything this process holds stays within
+    gpu_memory_utilization x total (graphs were measured and taken out of the KV budget first)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    utilization = 0.5
+    with cuda_llm(cuda_model_dirs["qwen3"], dtype="bfloat16", gpu_memory_utilization=utilization,
+                  max_model_len=1024, max_num_seqs=64) as llm:  # fmt: skip
+        plan, runner = llm.engine.plan, llm.engine.model_runner
+        assert runner.graph_runner is not None and plan.graph_bytes > 0
+        generate(llm, make_prompts(vocab_size(cuda_model_dirs["qwen3"])))
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free - plan.other_bytes
+        print(f"graphs {plan.graph_bytes / 2**20:.1f} MiB, KV {plan.kv_bytes / 2**30:.2f} GiB, "
+              f"used {used / 2**30:.2f} GiB of {utilization} x {total / 2**30:.1f} GiB")
+        assert used <= utilization * total * 1.02

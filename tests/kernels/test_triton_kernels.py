@@ -91,6 +91,20 @@ def test_decode_splits_a_long_context_by_default_and_merges_exactly(paged_batch)
     assert_matches_reference(out, batch)
 
 
+def test_decode_as_captured_in_a_cuda_graph_matches_reference(paged_batch):
+    # A decode graph is captured once with max_seq_len = max_model_len and block tables as wide as
+    # max_model_len needs; each replay has shorter contexts, zero-padded tables and padded rows (seq_len 1).
+    batch = paged_batch([(299, 1), (8, 1), (0, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=256)
+    md = batch.metadata
+    max_model_len = 4096
+    tables = torch.zeros(md.block_tables.shape[0], max_model_len // 256, dtype=md.block_tables.dtype,
+                         device=md.block_tables.device)  # fmt: skip
+    tables[:, : md.block_tables.shape[1]] = md.block_tables
+    out = paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, tables, md.seq_lens, max_model_len, 0.125)
+    assert torch.isfinite(out).all()
+    assert_matches_reference(out, batch)
+
+
 def test_decode_writes_zeros_for_a_padded_sequence_with_empty_context(paged_batch):
     # CUDA-graph batches are padded with seq_len 0 entries; they must not produce NaN.
     batch = paged_batch([(299, 1), (0, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=256)

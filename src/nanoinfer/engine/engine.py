@@ -124,12 +124,27 @@ def _build_cuda_runner(config: Config, block_bytes: int):
     runner.warmup()
     peak = torch.cuda.max_memory_allocated()
     activation_bytes = max(peak - weights_bytes - warmup_cache_bytes, 0)
+    graphs = getattr(runner, "uses_cuda_graphs", False)  # the tensor-parallel executor runs eager
+    graph_bytes = _measure_cuda_graph_bytes(runner) if graphs else 0
     plan = memory.plan_kv_cache(
         total_bytes=total, utilization=config.gpu_memory_utilization, weights_bytes=weights_bytes,
         activation_bytes=activation_bytes, other_bytes=other_bytes, block_bytes=block_bytes,
         block_size=config.kvcache_block_size, max_model_len=config.max_model_len,
-        num_kvcache_blocks=config.num_kvcache_blocks,
+        num_kvcache_blocks=config.num_kvcache_blocks, graph_bytes=graph_bytes,
     )  # fmt: skip
     memory.check_fits(plan, config.max_model_len)
     runner.allocate_kv_cache(plan.num_blocks)
+    if graphs:
+        runner.capture_cuda_graphs()  # over the final cache: graphs keep the addresses they were captured on
     return runner, plan
+
+
+def _measure_cuda_graph_bytes(runner: ModelRunner) -> int:
+    """Capture the decode graphs once over the warm-up cache and see how much memory they hold."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    runner.capture_cuda_graphs()
+    graph_bytes = torch.cuda.memory_reserved() - before
+    runner.release_cuda_graphs()
+    torch.cuda.empty_cache()
+    return max(graph_bytes, 0)

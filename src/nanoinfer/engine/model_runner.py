@@ -12,6 +12,7 @@ import torch
 from nanoinfer.attention.backend import get_backend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.engine.cuda_graph import CUDAGraphCapturer, CUDAGraphRunner, graph_batch_sizes
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.model.cpu_gemm import prepack_linear_weights
@@ -43,9 +44,31 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(hf_config)
+        self.graph_runner: CUDAGraphRunner | None = None
         self.allocate_kv_cache(num_blocks)
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode through CUDA graphs: on CUDA, unless enforce_eager, with a backend whose kernels capture."""
+        config = self.config
+        return (self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1
+                and self.backend.name in ("triton", "flash-attn"))  # fmt: skip
+
+    def capture_cuda_graphs(self, capturer: CUDAGraphCapturer | None = None) -> None:
+        """Capture the decode graphs over the current KV cache (call again after reallocating it)."""
+        self.graph_runner = CUDAGraphRunner(
+            lambda input_ids, positions, metadata: self.model(input_ids, positions, self.kv_caches, metadata),
+            batch_sizes=graph_batch_sizes(self.config.max_num_seqs), max_model_len=self.config.max_model_len,
+            block_size=self.block_size, hidden_size=self.config.hf_config.hidden_size, dtype=self.dtype,
+            device=self.device, capturer=capturer,
+        )  # fmt: skip
+        self.graph_runner.capture()
+
+    def release_cuda_graphs(self) -> None:
+        self.graph_runner = None  # the graphs' memory pool goes with them
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.graph_runner = None  # captured graphs point at the old cache
         self.kv_caches = []  # drop the old cache before allocating the new one
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.num_blocks = num_blocks
@@ -85,7 +108,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         """Run one step; returns seq_id -> sampled token id for the sequences that reached their end."""
         input_ids, positions, metadata, sample_indices, sample_seqs = self.prepare_inputs(out)
-        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
+        hidden_states = self._forward(input_ids, positions, metadata)
         if not sample_seqs:
             return {}
         logits = self.model.compute_logits(hidden_states[sample_indices])
@@ -96,8 +119,13 @@ class ModelRunner:
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits of the sequences that reach their end this step (for tests against transformers)."""
         input_ids, positions, metadata, sample_indices, _ = self.prepare_inputs(out)
-        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
+        hidden_states = self._forward(input_ids, positions, metadata)
         return self.model.compute_logits(hidden_states[sample_indices])
+
+    def _forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.can_run(metadata):
+            return self.graph_runner.run(input_ids, positions, metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     def prepare_inputs(self, out: SchedulerOutput):
         input_ids: list[int] = []
