@@ -1,4 +1,5 @@
-"""oneDNN-prepacked CPU linears against F.linear, and what packing does to the model's weights."""
+"""Packed CPU linears (our panel GEMM in csrc/gemm.cpp, oneDNN's packed weights) against F.linear, and what
+packing does to the model's weights."""
 
 from __future__ import annotations
 
@@ -7,36 +8,71 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.model.cpu_gemm import linear, onednn_prepack_supported, prepack_linear_weights
+from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.model.cpu_gemm import (
+    linear, onednn_prepack_supported, pack_weight, packing_kind, prepack_linear_weights,
+)  # fmt: skip
 from nanoinfer.model.layers import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.model.linear import ColumnParallelLinear, RowParallelLinear
 
-needs_onednn = pytest.mark.skipif(
-    not onednn_prepack_supported(torch.float32), reason="this torch build has no oneDNN float32 linear"
-)
+KINDS = [
+    pytest.param("panels", marks=pytest.mark.skipif(cpu_ops() is None, reason="no C++ compiler here")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not onednn_prepack_supported(torch.float32),
+                                                    reason="this torch build has no oneDNN float32 linear")),
+]  # fmt: skip
 
 
-@needs_onednn
-@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 121, 300])  # register tiles of 6 rows, chunks of 120
+@pytest.mark.parametrize("out_features, in_features", [(200, 96), (16, 7), (5, 33)])  # 16-column panels
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, with_bias):
-    gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(200, 96, generator=gen)
-    bias = torch.randn(200, generator=gen) if with_bias else None
-    x = torch.randn(rows, 96, generator=gen)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+def test_packed_linear_matches_f_linear(kind, rows, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = pack_weight(weight, kind)
     torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-def test_packed_linear_takes_non_contiguous_and_3d_input():
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_linear_takes_non_contiguous_and_3d_input_on_any_thread_count(kind):
     weight = torch.randn(40, 32)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    packed = pack_weight(weight, kind)
     x = torch.randn(32, 10).t()  # non-contiguous rows
     torch.testing.assert_close(linear(x, weight, None, packed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     x3 = torch.randn(2, 5, 32)
     assert linear(x3, weight, None, packed).shape == (2, 5, 40)
     torch.testing.assert_close(linear(x3, weight, None, packed), F.linear(x3, weight), rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    big = torch.randn(250, 32)
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(linear(big, weight, None, packed))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs)  # each output is one thread's sum: no split K
+    torch.testing.assert_close(outs[0], F.linear(big, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_panels_kernel_rejects_mismatched_inputs():
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    packed = pack_weight(torch.randn(20, 8), "panels")
+    with pytest.raises(RuntimeError, match="features"):
+        linear(torch.randn(3, 9), torch.empty(0), None, packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        linear(torch.randn(3, 8), torch.empty(0), torch.randn(7), packed)
+
+
+def test_float32_uses_the_panels_kernel_where_it_is_vectorized():
+    ops = cpu_ops()
+    expected = "panels" if ops is not None and ops.vectorized else ("onednn" if onednn_prepack_supported(
+        torch.float32) else None)  # fmt: skip
+    assert packing_kind(torch.float32) == expected
+    assert packing_kind(torch.bfloat16) != "panels"  # the panels kernel is float32 only
 
 
 class _Tiny(nn.Module):
@@ -56,20 +92,22 @@ class _Tiny(nn.Module):
         return self.lm_head(self.down(self.up(self.embed(ids))))
 
 
-@needs_onednn
-def test_prepack_keeps_outputs_and_releases_unshared_weights():
+@pytest.mark.parametrize("kind", KINDS)
+def test_prepack_keeps_outputs_and_releases_unshared_weights(kind, monkeypatch):
+    monkeypatch.setattr("nanoinfer.model.cpu_gemm.packing_kind", lambda dtype: kind)
     model = _Tiny()
     ids = torch.tensor([1, 7, 49])
     before = model(ids)
     assert prepack_linear_weights(model) == 3
+    assert model.up.packed_weight.kind == kind
     after = model(ids)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-4)
     assert model.up.weight.numel() == 0 and model.down.weight.numel() == 0  # only the packed copy remains
     assert model.embed.weight.shape == (50, 16)  # shared with the LM head: still needed by the embedding
 
 
-def test_unsupported_dtype_leaves_layers_on_f_linear(monkeypatch):
+def test_no_packed_kernel_leaves_layers_on_f_linear(monkeypatch):
     model = _Tiny()
-    monkeypatch.setattr("nanoinfer.model.cpu_gemm.onednn_prepack_supported", lambda dtype: False)
+    monkeypatch.setattr("nanoinfer.model.cpu_gemm.packing_kind", lambda dtype: None)
     assert prepack_linear_weights(model) == 0
     assert model.up.packed_weight is None and model.up.weight.shape == (48, 16)

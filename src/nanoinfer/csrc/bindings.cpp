@@ -8,6 +8,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
                       torch::Tensor sin);
+torch::Tensor pack_linear_weight(const torch::Tensor& weight);
+torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
@@ -15,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [tokens, 2 * intermediate] matrix (float32)");
   m.def("rotary_embedding", &rotary_embedding, "neox-style rotary of q and k in place (float32)");
+  m.def("pack_linear_weight", &pack_linear_weight, "[N, K] float32 weight -> [ceil(N/16), K, 16] panels");
+  m.def("packed_linear", &packed_linear, "x W^T + b with W from pack_linear_weight (float32)",
+        pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"));
 #ifdef NANOINFER_AVX2
   m.attr("vectorized") = true;
 #else

@@ -37,10 +37,10 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
         if self.device.type == "cpu":
-            self.num_packed_weights = prepack_linear_weights(self.model)
             # Build (first run on a machine, ~2 min) or load the C++ kernels now, as part of loading, rather
-            # than inside the first step where it would count as generation time.
+            # than inside the first step where it would count as generation time; the packing needs them.
             cpu_ops()
+            self.num_packed_weights = prepack_linear_weights(self.model)
         self.sampler = Sampler(config.seed)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(hf_config)

@@ -1,26 +1,39 @@
-"""CPU linear layers through oneDNN with the weights packed once, at load (vLLM's "oneDNN prepack").
+"""CPU linear layers with the weights packed once, at load.
 
 `F.linear` on CPU hands each call to MKL's sgemm, which re-packs the weight matrix into its blocked layout
-on every call. In decode the activations are a few dozen rows, so that re-packing (a full pass over the
-weights) costs about as much as the multiply. oneDNN can keep the weight in its blocked layout: measured
-on this project's 2-core AVX2 EPYC, one thread, 64 rows: gate_up (576 -> 3072) 6.6 -> 4.5 ms, the
-49,152-row LM head 127 -> 65 ms, the square ones unchanged; results differ from sgemm by float32 rounding
-only (relative 1e-6).
-
-The ops are torch's own (`torch.ops.mkldnn`, what inductor's CPU freezing pass uses), so nothing extra is
-installed; where they are missing or refuse a dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT), layers keep
-plain `F.linear`.
+on every call; in decode (a few dozen rows) that costs about as much as the multiply. So every linear
+(and the LM head) is packed once, for one of two kernels:
+- float32 where the C++ kernels are built for AVX2: our own GEMM (csrc/gemm.cpp, 16-column panels and a
+  6 x 16 register tile). Measured on the 2-core AVX2 EPYC, 2 threads, a decode step's linears in
+  sequence (30 layers, 64 rows): 70-78 GFLOP/s with oneDNN's packed weights, 85-105 with ours; 23 -> 48
+  at 16 rows; prefill shapes equal within noise (benchmarks/README.md);
+- otherwise oneDNN's packed weights (torch's own `torch.ops.mkldnn` ops, what inductor's CPU freezing
+  pass uses), where it runs the dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT);
+- otherwise plain `F.linear`.
+Results differ from sgemm by float32 summation order only (relative 1e-6).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.cpu_ops import cpu_ops
+
 logger = logging.getLogger("nanoinfer")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in a kernel's own layout: kind "panels" (csrc/gemm.cpp) or "onednn"."""
+
+    kind: str
+    data: torch.Tensor
+    out_features: int
 
 
 def onednn_prepack_supported(dtype: torch.dtype) -> bool:
@@ -37,13 +50,30 @@ def onednn_prepack_supported(dtype: torch.dtype) -> bool:
     return bool(torch.all(out == 8))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+def packing_kind(dtype: torch.dtype) -> str | None:
+    """Which packed kernel runs linears of `dtype` here: "panels", "onednn" or None (plain F.linear)."""
+    ops = cpu_ops()
+    if dtype == torch.float32 and ops is not None and ops.vectorized:
+        return "panels"
+    return "onednn" if onednn_prepack_supported(dtype) else None
+
+
+def pack_weight(weight: torch.Tensor, kind: str) -> PackedWeight:
+    weight = weight.detach()
+    if kind == "panels":
+        return PackedWeight(kind, cpu_ops().pack_linear_weight(weight), weight.shape[0])
+    return PackedWeight(kind, torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None):
     """x W^T + b, through the packed weight when the layer has one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if x.dim() != 2:  # the packed op takes [rows, features]
+    if packed.kind == "panels":
+        return cpu_ops().packed_linear(x, packed.data, bias, packed.out_features)
+    if x.dim() != 2:  # the oneDNN op takes [rows, features]
         return linear(x.reshape(-1, x.shape[-1]), weight, bias, packed).view(*x.shape[:-1], -1)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none", [], "")
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
@@ -51,9 +81,10 @@ def prepack_linear_weights(model: nn.Module) -> int:
 
     A weight no other module shares is then released: the packed copy is the only one the forward pass
     reads, so memory stays at one copy of the weights. A shared one (the LM head tied to the embedding)
-    is kept for its other user. Returns how many weights were packed (0 when oneDNN cannot)."""
+    is kept for its other user. Returns how many weights were packed (0 when no packed kernel runs here)."""
     dtype = next(model.parameters()).dtype
-    if not onednn_prepack_supported(dtype):
+    kind = packing_kind(dtype)
+    if kind is None:
         return 0
     owners: dict[int, int] = {}
     for module in model.modules():
@@ -63,7 +94,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if not hasattr(module, "packed_weight") or module.weight.device.type != "cpu":
             continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+        module.packed_weight = pack_weight(module.weight, kind)
         if owners[id(module.weight)] == 1:
             module.weight.data = torch.empty(0, dtype=dtype)
         packed += 1

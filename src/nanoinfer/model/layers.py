@@ -12,7 +12,7 @@ from torch import nn
 
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
-from nanoinfer.model.cpu_gemm import linear
+from nanoinfer.model.cpu_gemm import PackedWeight, linear
 
 
 def _fused_ops(x: torch.Tensor):
@@ -134,7 +134,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
-        self.packed_weight: torch.Tensor | None = None  # set by cpu_gemm.prepack_linear_weights
+        self.packed_weight: PackedWeight | None = None  # set by cpu_gemm.prepack_linear_weights
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden_states, self.weight, None, self.packed_weight)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed import all_reduce, get_tp_rank, get_tp_size
-from nanoinfer.model.cpu_gemm import linear
+from nanoinfer.model.cpu_gemm import PackedWeight, linear
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
@@ -29,7 +29,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.output_sizes)
         self.weight = _set_loader(nn.Parameter(torch.empty(out, input_size)), self.weight_loader)
         self.bias = _set_loader(nn.Parameter(torch.empty(out)), self.weight_loader) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # set by cpu_gemm.prepack_linear_weights
+        self.packed_weight: PackedWeight | None = None  # set by cpu_gemm.prepack_linear_weights
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         offset = sum(self.output_sizes[:shard_id])
@@ -60,7 +60,7 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size // self.tp_size
         self.weight = _set_loader(nn.Parameter(torch.empty(output_size, self.input_size)), self.weight_loader)
         self.bias = _set_loader(nn.Parameter(torch.empty(output_size)), self._bias_loader) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # set by cpu_gemm.prepack_linear_weights
+        self.packed_weight: PackedWeight | None = None  # set by cpu_gemm.prepack_linear_weights
 
     def weight_loader(self, param, loaded, shard_id=None):
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.input_size, self.input_size))
