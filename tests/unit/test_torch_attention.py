@@ -92,11 +92,23 @@ def test_cpu_kernel_bfloat16_close_to_reference():
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_store_kvcache_matches_reference_and_skips_padding_slots():
-    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kvcache_matches_reference_and_skips_padding_slots(use_kernel, dtype):
+    # key / value as the model passes them: views of one fused qkv row (row stride 48, not 16).
+    qkv = torch.randn(5, 48).to(dtype)
+    key, value = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
     slots = torch.tensor([0, 7, -1, 300, 511])
-    caches = [torch.zeros(2, 256, 2, 8) for _ in range(4)]
-    TorchBackend().store_kvcache(key, value, caches[0], caches[1], slots)
+    caches = [torch.zeros(2, 256, 2, 8, dtype=dtype) for _ in range(4)]
+    TorchBackend(use_cpu_kernel=use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
     store_kvcache_reference(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert caches[0].abs().sum() > 0
+    assert caches[0].abs().sum() > 0 and caches[1].abs().sum() > 0
+
+
+def test_cpu_kernel_store_refuses_a_slot_outside_the_cache():
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    k_cache, v_cache = torch.zeros(2, 256, 2, 8), torch.zeros(2, 256, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        TorchBackend().store_kvcache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), k_cache, v_cache, torch.tensor([512]))

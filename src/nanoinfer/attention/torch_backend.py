@@ -22,6 +22,10 @@ class TorchBackend:
         self.use_cpu_kernel = use_cpu_kernel
 
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        kernel = cpu_ops() if self.use_cpu_kernel and key.device.type == "cpu" else None
+        if kernel is not None and key.dtype == k_cache.dtype and _rows_contiguous(key) and _rows_contiguous(value):
+            kernel.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+            return
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         k_flat = k_cache.view(num_slots, *k_cache.shape[2:])  # [num_slots, H_kv, D]
         v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
@@ -118,3 +122,8 @@ class TorchBackend:
             mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """[T, H, D] whose rows (H x D) are contiguous, at any row stride (views of the fused qkv output)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

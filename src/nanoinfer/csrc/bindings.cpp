@@ -3,6 +3,8 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
@@ -14,6 +16,7 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
+  m.def("store_kvcache", &store_kvcache, "key/value rows into their cache slots (-1 skipped)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension (float32)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [tokens, 2 * intermediate] matrix (float32)");

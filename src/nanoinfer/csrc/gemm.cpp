@@ -8,8 +8,9 @@
 // - x is repacked per call into 6-row blocks, k-major, so the 6 broadcasts of a k-step are adjacent;
 // - a 6 x 16 register tile: 12 accumulators + 2 weight vectors + 1 broadcast = 15 of the 16 ymm registers,
 //   6 broadcasts and 2 loads per 12 FMAs, so the FMA ports, not the loads, set the pace;
-// - threads take panels (dynamic schedule: a core slowed by a neighbour does not hold the other up); rows
-//   go in chunks of 120 so a chunk of x (120 x K floats) stays in L2 while the panels stream past it.
+// - rows go in chunks of 120, each packed just before use, so a chunk of x (120 x K floats) stays in L2
+//   while the panels stream past it; threads take panels (dynamic schedule: a core slowed by a neighbour
+//   does not hold the other up).
 #include "simd.h"
 
 namespace {
@@ -122,33 +123,33 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
   }
   if (M == 0) return out.view(sizes);
 
-  // x in MR-row blocks, k-major. One buffer per calling thread, grown as needed and reused: a fresh
-  // allocation of this size would be page-faulted in on every call.
+  // x is repacked one chunk of MC rows at a time, in MR-row blocks, k-major, just before its panels run:
+  // the packed chunk is then still in L2 when the kernel reads it, and a prefill of thousands of rows
+  // needs no repacked copy of all of x. One buffer per calling thread, reused across calls (a fresh
+  // allocation would be page-faulted in every time).
   static thread_local std::vector<float> buffer;
-  if ((int64_t)buffer.size() < M * K) buffer.resize(M * K);
+  if ((int64_t)buffer.size() < MC * K) buffer.resize(MC * K);
   float* a = buffer.data();  // taken here: inside the parallel region `buffer` would be each worker's own
   const float* xs = x.data_ptr<float>();
   const float* b = packed.data_ptr<float>();
   float* c = out.data_ptr<float>();
-  const int64_t P = packed.size(0), blocks = (M + MR - 1) / MR;
+  const int64_t P = packed.size(0);
   #pragma omp parallel num_threads(at::get_num_threads())
-  {
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t rows = std::min<int64_t>(MC, M - m0);
     #pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t m0 = blk * MR;
-      const int rows = (int)std::min<int64_t>(MR, M - m0);
-      float* dst = a + m0 * K;
+    for (int64_t blk = 0; blk < (rows + MR - 1) / MR; ++blk) {
+      const int64_t r0 = blk * MR;
+      const int n = (int)std::min<int64_t>(MR, rows - r0);
+      float* dst = a + r0 * K;
       for (int64_t k = 0; k < K; ++k)
-        for (int r = 0; r < rows; ++r) dst[k * rows + r] = xs[(m0 + r) * K + k];
-    }  // implicit barrier: every block is packed before any panel runs
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-      const int64_t rows = std::min<int64_t>(MC, M - m0);
-      #pragma omp for schedule(dynamic, 2) nowait
-      for (int64_t p = 0; p < P; ++p) {
-        const int ncols = (int)std::min<int64_t>(NR, N - p * NR);
-        panel(a + m0 * K, b + p * K * NR, K, c + m0 * N + p * NR, N, ncols, rows, bias_ptr ? bias_ptr + p * NR : nullptr);
-      }
-    }
+        for (int r = 0; r < n; ++r) dst[k * n + r] = xs[(m0 + r0 + r) * K + k];
+    }  // implicit barrier: the chunk is packed before any panel reads it
+    #pragma omp for schedule(dynamic, 2)
+    for (int64_t p = 0; p < P; ++p) {
+      const int ncols = (int)std::min<int64_t>(NR, N - p * NR);
+      panel(a, b + p * K * NR, K, c + m0 * N + p * NR, N, ncols, rows, bias_ptr ? bias_ptr + p * NR : nullptr);
+    }  // implicit barrier: every panel is done before the next chunk overwrites the buffer
   }
   return out.view(sizes);
 }

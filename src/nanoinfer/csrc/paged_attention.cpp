@@ -162,3 +162,35 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   return out;
 }
+
+// Writes this step's keys and values into their cache slots (slot -1: padding, skipped). key/value
+// [T, H_kv, D] may be views of the fused qkv output (any row stride, each row's H_kv * D contiguous); the
+// caches are contiguous. One memcpy per row: for a decode step's few dozen rows, index_copy_'s dispatch
+// and the -1 filter cost more than the copy.
+void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(1) == key.size(2), "store_kvcache: key rows");
+  TORCH_CHECK(value.dim() == 3 && value.stride(2) == 1 && value.stride(1) == value.size(2), "store_kvcache: value rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kvcache: contiguous caches");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "store_kvcache: key/value dtype differs from the cache");
+  const auto slots = slot_mapping.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == key.size(0), "store_kvcache: int64 slots");
+  const int64_t T = key.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const size_t row_bytes = (size_t)key.size(1) * key.size(2) * key.element_size();
+  TORCH_CHECK(row_bytes == (size_t)k_cache.size(2) * k_cache.size(3) * k_cache.element_size(),
+              "store_kvcache: row size differs from the cache's");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  const size_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = s[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "store_kvcache: slot ", slot, " outside the cache (", num_slots, " slots)");
+    std::memcpy(kc + slot * row_bytes, kp + t * k_stride, row_bytes);
+    std::memcpy(vc + slot * row_bytes, vp + t * v_stride, row_bytes);
+  }
+}

@@ -5,6 +5,7 @@
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
