@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nanoinfer import SamplingParams, memory
+from nanoinfer.testing.hf_reference import check_logprobs_close
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,28 +69,6 @@ def generate(llm, prompts: list[list[int]], num_logprobs: int | None = None):
         assert out.finish_reason == "length", out.error
         assert len(out.token_ids) == NUM_TOKENS
     return outputs
-
-
-def check_logprobs_close(
-    ours: list[tuple[list[int], list[set[int]]]], theirs: list[tuple[list[int], list[set[int]]]], names: tuple[str, str]
-) -> int:
-    """vLLM's rule for low-precision runs: walk each sequence to its first differing token; there each side's
-    token must be among the other side's top-k, and the comparison of that sequence stops (after a different
-    token the two continue from different contexts). Returns how many sequences diverged."""
-    num_diverged = 0
-    for i, ((ids_0, top_0), (ids_1, top_1)) in enumerate(zip(ours, theirs, strict=True)):
-        for pos, (id_0, id_1) in enumerate(zip(ids_0, ids_1, strict=True)):
-            if id_0 == id_1:
-                continue
-            assert id_0 in top_1[pos], (
-                f"prompt {i}, token {pos}: {names[0]} chose {id_0}, not in {names[1]}'s top-k {sorted(top_1[pos])}"
-            )
-            assert id_1 in top_0[pos], (
-                f"prompt {i}, token {pos}: {names[1]} chose {id_1}, not in {names[0]}'s top-k {sorted(top_0[pos])}"
-            )
-            num_diverged += 1
-            break
-    return num_diverged
 
 
 def vocab_size(model_dir) -> int:

@@ -11,7 +11,7 @@ import torch
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Request
-from nanoinfer.testing.hf_reference import hf_greedy
+from nanoinfer.testing.hf_reference import check_logprobs_close, hf_greedy
 
 FAMILIES = ["qwen3", "qwen2", "llama"]
 NUM_REFERENCE_TOKENS = 32
@@ -128,6 +128,24 @@ def default_model_prompts(tokenizer) -> list[list[int]]:
         )
         chats.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return raw + chats
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(tiny_model_dirs, family):
+    """bfloat16 on the CPU (our GEMM widens bfloat16 to float32 sums; transformers' rounds differently), by
+    vLLM's check_logprobs_close rule: where the two first differ, each token is in the other's top 5."""
+    import transformers
+
+    path = tiny_model_dirs[family]
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:8]
+    expected, _, expected_top = hf_greedy(path, prompts, 16, dtype=torch.bfloat16, top_k=5)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.25)
+    assert llm.engine.model_runner.model.model.layers[0].mlp.gate_up_proj.packed_weight is not None
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))
+    ours = [(o.token_ids, [{t for t, _ in lp.top} for lp in o.outputs[0].logprobs]) for o in outputs]
+    diverged = check_logprobs_close(ours, list(zip(expected, expected_top)), ("nanoinfer", "transformers"))
+    print(f"bfloat16 {family}: {diverged}/{len(prompts)} sequences diverged within the top 5")
+    assert diverged <= len(prompts) // 2, f"{diverged}/{len(prompts)} sequences diverged"
 
 
 def test_default_model_matches_transformers(default_model_dir):

@@ -57,6 +57,23 @@ def test_packed_linear_takes_non_contiguous_and_3d_input_on_any_thread_count(kin
     torch.testing.assert_close(outs[0], F.linear(big, weight), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 130])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panels_kernel_runs_bfloat16_with_float32_sums(rows, with_bias):
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(37, 80, generator=gen).bfloat16()
+    bias = torch.randn(37, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, 80, generator=gen).bfloat16()
+    out = linear(x, weight, bias, pack_weight(weight, "panels"))
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 37)
+    # The float32 product of the same bfloat16 values, rounded once: what the kernel computes.
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    assert (out != expected).float().mean() < 0.02  # only float32 summation order differs
+
+
 def test_panels_kernel_rejects_mismatched_inputs():
     if cpu_ops() is None:
         pytest.skip("no C++ compiler here")
@@ -65,6 +82,8 @@ def test_panels_kernel_rejects_mismatched_inputs():
         linear(torch.randn(3, 9), torch.empty(0), None, packed)
     with pytest.raises(RuntimeError, match="bias"):
         linear(torch.randn(3, 8), torch.empty(0), torch.randn(7), packed)
+    with pytest.raises(RuntimeError, match="weight"):
+        linear(torch.randn(3, 8).bfloat16(), torch.empty(0), None, packed)
 
 
 def test_float32_uses_the_panels_kernel_where_it_is_vectorized():
@@ -72,7 +91,9 @@ def test_float32_uses_the_panels_kernel_where_it_is_vectorized():
     expected = "panels" if ops is not None and ops.vectorized else ("onednn" if onednn_prepack_supported(
         torch.float32) else None)  # fmt: skip
     assert packing_kind(torch.float32) == expected
-    assert packing_kind(torch.bfloat16) != "panels"  # the panels kernel is float32 only
+    if expected == "panels":
+        assert packing_kind(torch.bfloat16) == "panels"  # widened to float32 in registers
+    assert packing_kind(torch.float16) != "panels"
 
 
 class _Tiny(nn.Module):

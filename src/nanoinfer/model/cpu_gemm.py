@@ -3,14 +3,16 @@
 `F.linear` on CPU hands each call to MKL's sgemm, which re-packs the weight matrix into its blocked layout
 on every call; in decode (a few dozen rows) that costs about as much as the multiply. So every linear
 (and the LM head) is packed once, for one of two kernels:
-- float32 where the C++ kernels are built for AVX2: our own GEMM (csrc/gemm.cpp, 16-column panels and a
-  6 x 16 register tile). Measured on the 2-core AVX2 EPYC, 2 threads, a decode step's linears in
-  sequence (30 layers, 64 rows): 70-78 GFLOP/s with oneDNN's packed weights, 85-105 with ours; 23 -> 48
-  at 16 rows; prefill shapes equal within noise (benchmarks/README.md);
+- float32 and bfloat16 where the C++ kernels are built for AVX2: our own GEMM (csrc/gemm.cpp, 16-column
+  panels and a 6 x 16 register tile; bfloat16 is widened to float32 in registers and summed in float32).
+  Measured on the 2-core AVX2 EPYC, 2 threads, a decode step's linears in sequence (30 layers, 64
+  rows): 70-78 GFLOP/s with oneDNN's packed weights, 85-105 with ours; 23 -> 48 at 16 rows; prefill
+  shapes equal within noise (benchmarks/README.md);
 - otherwise oneDNN's packed weights (torch's own `torch.ops.mkldnn` ops, what inductor's CPU freezing
   pass uses), where it runs the dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT);
 - otherwise plain `F.linear`.
-Results differ from sgemm by float32 summation order only (relative 1e-6).
+Float32 results differ from sgemm by summation order only (relative 1e-6); bfloat16 ones are rounded once,
+from the float32 sum.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def onednn_prepack_supported(dtype: torch.dtype) -> bool:
 def packing_kind(dtype: torch.dtype) -> str | None:
     """Which packed kernel runs linears of `dtype` here: "panels", "onednn" or None (plain F.linear)."""
     ops = cpu_ops()
-    if dtype == torch.float32 and ops is not None and ops.vectorized:
+    if dtype in (torch.float32, torch.bfloat16) and ops is not None and ops.vectorized:
         return "panels"
     return "onednn" if onednn_prepack_supported(dtype) else None
 
