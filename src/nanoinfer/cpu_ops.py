@@ -27,11 +27,15 @@ def cpu_ops():
     try:
         from torch.utils.cpp_extension import load
 
+        import torch
+
         files = sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("*.h"))
-        # The name covers the sources and where they are: a changed source builds anew instead of loading a
-        # stale build, and two checkouts on one machine keep separate builds (sharing one, each process's
-        # ninja saw the other's paths and rebuilt, under a lock the other was waiting on).
-        content = str(_CSRC.resolve()).encode() + b"".join(f.name.encode() + f.read_bytes() for f in files)
+        # The name covers the sources, where they are and which torch compiles them: a changed source builds
+        # anew instead of loading a stale build, and two checkouts (or two venvs) on one machine keep separate
+        # builds. Sharing one, each process's ninja saw the other's paths and rebuilt (2-3 minutes, seen
+        # when a second venv ran the benchmarks), under a lock the other may be waiting on.
+        where = f"{_CSRC.resolve()}|{Path(torch.__file__).parent}|{torch.__version__}"
+        content = where.encode() + b"".join(f.name.encode() + f.read_bytes() for f in files)
         name = f"nanoinfer_cpu_ops_{hashlib.sha256(content).hexdigest()[:12]}"
         _remove_stale_lock(name)
         if not _is_built(name):  # say why the first run on a machine pauses (no logging is configured: stderr)
