@@ -25,9 +25,8 @@ def cpu_ops():
         _failed = True
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         import torch
+        from torch.utils.cpp_extension import load
 
         files = sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("*.h"))
         # The name covers the sources, where they are and which torch compiles them: a changed source builds

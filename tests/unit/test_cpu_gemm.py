@@ -10,7 +10,11 @@ from torch import nn
 
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.model.cpu_gemm import (
-    linear, onednn_prepack_supported, pack_weight, packing_kind, prepack_linear_weights,
+    linear,
+    onednn_prepack_supported,
+    pack_weight,
+    packing_kind,
+    prepack_linear_weights,
 )  # fmt: skip
 from nanoinfer.model.layers import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.model.linear import ColumnParallelLinear, RowParallelLinear

@@ -21,7 +21,8 @@ Tools: {{ tools | tojson }}<|im_end|>
 {% endif -%}
 {%- for message in messages %}
   {%- if message.role == 'system' %}{% set ns.system = true %}{% endif %}
-  {%- if message.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + message.role) }}{% endif %}
+  {%- if message.role not in ['system', 'user', 'assistant'] %}
+{{ raise_exception('unknown role ' + message.role) }}{% endif %}
   {%- if message.role == 'assistant' and message.reasoning_content %}
 <|im_start|>assistant
 <think>{{ message.reasoning_content | trim }}</think>{{ message.content }}<|im_end|>
