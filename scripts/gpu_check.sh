@@ -2,8 +2,8 @@
 # The CUDA checks of issue 6 in one command, sized for a 10-minute call on one H200 (about 8 minutes):
 #   1 nvidia-smi    the card, its memory and driver
 #   2 imports       torch + CUDA, triton, transformers, the project's deps, nanoinfer's kernels
-#   3 pytest        tests/gpu (engine vs transformers on the GPU, planner vs allocation) and tests/kernels
-#                   with the Triton kernels compiled (TRITON_INTERPRET=0)
+#   3 pytest        tests/gpu (engine vs transformers on the GPU, CUDA graphs vs eager, planner vs
+#                   allocation) and tests/kernels with the Triton kernels compiled (TRITON_INTERPRET=0)
 #   4 plan-memory   the planner's estimate for the Qwen3-0.6B-shaped bench model on this card
 #   5 bench         nanoinfer vs HF transformers on nano-vllm's workload (256 requests, 100-1024 in/out)
 # then prints a table (scripts/gpu_check_summary.py). Exits non-zero if any step failed or timed out.

@@ -184,8 +184,32 @@ def build_rows(log_dir: Path, steps: list[dict]) -> list[tuple[str, str, str, st
     planner = planner_row(log_dir)
     if planner is not None:
         rows.append(planner)
-    rows.append(("cuda graphs", "n/a", "not implemented (decode runs eagerly; no graph-vs-eager check)", "-"))
+    rows.append(graphs_row(log_dir))
     return rows
+
+
+def graphs_row(log_dir: Path) -> tuple[str, str, str, str]:
+    """The CUDA-graph tests of tests/gpu (graph vs eager, graphs within the memory plan), from pytest.xml.
+    Informational: a failure there already fails the pytest step."""
+    try:
+        cases = [c for c in ET.parse(log_dir / "pytest.xml").getroot().iter("testcase")
+                 if c.get("name", "").startswith("test_cuda_graph")]  # fmt: skip
+    except (OSError, ET.ParseError):
+        cases = []
+    if not cases:
+        return ("cuda graphs", "n/a", "no CUDA-graph test results in pytest.xml", "-")
+    outcome = {"failed": 0, "skipped": 0}
+    for case in cases:
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome["failed"] += 1
+        elif case.find("skipped") is not None:
+            outcome["skipped"] += 1
+    passed = len(cases) - outcome["failed"] - outcome["skipped"]
+    status = "FAIL" if outcome["failed"] else ("ok" if passed else "n/a")
+    text = f"graph vs eager + memory plan: {passed} passed" + "".join(
+        f", {n} {k}" for k, n in outcome.items() if n
+    )
+    return ("cuda graphs", status, text, "-")
 
 
 def format_table(rows: list[tuple[str, str, str, str]]) -> str:

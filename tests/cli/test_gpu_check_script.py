@@ -47,7 +47,13 @@ def write_passing_logs(log_dir: Path, *, engine_blocks: int = 12_000, plan_block
     (log_dir / "imports.json").write_text(json.dumps(imports))
     (log_dir / "pytest.xml").write_text(
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="0" '
-        'skipped="7" tests="62" time="80.1"></testsuite></testsuites>'
+        'skipped="7" tests="62" time="80.1">'
+        '<testcase classname="gpu" name="test_cuda_graph_decode_matches_eager[triton-float32]"/>'
+        '<testcase classname="gpu" name="test_cuda_graph_decode_matches_eager[triton-bfloat16]"/>'
+        '<testcase classname="gpu" name="test_cuda_graph_decode_matches_eager[flash-attn-bfloat16]">'
+        '<skipped message="flash-attn is not installed"/></testcase>'
+        '<testcase classname="gpu" name="test_cuda_graphs_fit_in_the_plan"/>'
+        '</testsuite></testsuites>'
     )
     (log_dir / "plan-memory.json").write_text(
         json.dumps({"num_blocks": plan_blocks, "kvcache_block_size": 256, "kv_bytes": 110 * 2**30, "fits": True})
@@ -118,7 +124,7 @@ def test_script_without_cuda_stops_after_imports_prints_the_table_and_fails(tmp_
     assert "FAIL" in row(out, "imports") and "torch.cuda.is_available() is False" in row(out, "imports")
     for step in ("pytest", "plan-memory", "bench"):
         assert "SKIPPED" in row(out, step) and "the imports step failed" in row(out, step)
-    assert "not implemented" in row(out, "cuda graphs")
+    assert "n/a" in row(out, "cuda graphs") and "no CUDA-graph test results" in row(out, "cuda graphs")
     assert out.rstrip().splitlines()[-1] == f"logs: {tmp_path}"  # the table comes last
     assert (tmp_path / "summary.txt").read_text() in out
     imports = json.loads((tmp_path / "imports.json").read_text())
@@ -146,7 +152,8 @@ def test_summary_picks_the_key_number_of_every_step(tmp_path):
     assert "target" not in bench  # above the 3x target
     assert "plan-memory 12,100 vs engine 12,000 blocks (+0.8%)" in row(out, "planner vs engine")
     assert row(out, "planner vs engine").split()[3] == "ok"
-    assert "n/a" in row(out, "cuda graphs") and "not implemented" in row(out, "cuda graphs")
+    assert "graph vs eager + memory plan: 3 passed, 1 skipped" in row(out, "cuda graphs")
+    assert row(out, "cuda graphs").split()[2] == "ok"
     assert row(out, "total").split()[1] == "ok" and row(out, "total").endswith(" 296")
 
 
@@ -194,6 +201,18 @@ def test_summary_marks_a_ratio_below_the_3x_target(tmp_path):
     assert "2.50x (target 3x)" in row(summarize(tmp_path).stdout, "bench")
 
 
+def test_summary_reports_a_failed_cuda_graph_test(tmp_path):
+    write_passing_logs(tmp_path)
+    xml = (tmp_path / "pytest.xml").read_text().replace(
+        'name="test_cuda_graphs_fit_in_the_plan"/>',
+        'name="test_cuda_graphs_fit_in_the_plan"><failure message="used 71.2 GiB"/></testcase>',
+    )
+    (tmp_path / "pytest.xml").write_text(xml)
+    out = summarize(tmp_path).stdout
+    assert row(out, "cuda graphs").split()[2] == "FAIL"
+    assert "2 passed, 1 failed, 1 skipped" in row(out, "cuda graphs")
+
+
 def test_summary_survives_missing_and_truncated_files(tmp_path):
     write_passing_logs(tmp_path)
     (tmp_path / "bench.json").write_text('{"runs": [')  # killed while writing
@@ -207,7 +226,7 @@ def test_summary_survives_missing_and_truncated_files(tmp_path):
     assert row(result.stdout, "nvidia-smi").split()[1:3] == ["ok", "-"]
     assert row(result.stdout, "pytest").split()[1:3] == ["ok", "-"]
     assert "planner vs engine" not in result.stdout
-    assert "not implemented" in row(result.stdout, "cuda graphs")
+    assert "no CUDA-graph test results" in row(result.stdout, "cuda graphs")
 
 
 def test_summary_without_steps_file_says_what_to_run(tmp_path):
