@@ -95,3 +95,30 @@ def tiny_hf_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 100, 49152])  # below, at and across the 8-lane width
+def test_greedy_argmax_equals_torch(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(13, vocab, generator=gen)
+    assert torch.equal(cpu_ops().greedy_argmax(logits), torch.argmax(logits, dim=-1))
+
+
+def test_greedy_argmax_ties_infinities_and_nans_as_torch():
+    """The first index of the maximum wins a tie; a row of -inf gives 0; a NaN anywhere (vector body or
+    tail) gives the first NaN, as torch.argmax treats NaN as the largest value."""
+    logits = torch.zeros(6, 21)
+    logits[0, [3, 17]] = 5.0  # tie: 3
+    logits[1, [9, 20]] = 5.0  # tie across the vector body and the tail: 9
+    logits[2] = float("-inf")
+    logits[3, [4, 12]] = float("nan")
+    logits[4, 19] = float("nan")  # in the scalar tail
+    logits[5, 20] = float("inf")
+    assert torch.equal(cpu_ops().greedy_argmax(logits), torch.argmax(logits, dim=-1))
+    assert cpu_ops().greedy_argmax(logits).tolist() == [3, 9, 0, 4, 19, 20]
+
+
+def test_greedy_argmax_reads_strided_rows():
+    wide = torch.randn(5, 300)
+    logits = wide[:, 10:210]  # rows not back to back
+    assert torch.equal(cpu_ops().greedy_argmax(logits), torch.argmax(logits, dim=-1))

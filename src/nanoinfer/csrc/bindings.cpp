@@ -10,6 +10,7 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
                       torch::Tensor sin);
+torch::Tensor greedy_argmax(torch::Tensor logits);
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t N);
@@ -21,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [tokens, 2 * intermediate] matrix (float32)");
   m.def("rotary_embedding", &rotary_embedding, "neox-style rotary of q and k in place (float32)");
+  m.def("greedy_argmax", &greedy_argmax, "index of each row's largest value, as torch.argmax (float32)");
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] float32/bfloat16 weight -> [ceil(N/16), K, 16] panels");
   m.def("packed_linear", &packed_linear, "x W^T + b with W from pack_linear_weight (float32 or bfloat16, float32 sums)",
         pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"));
