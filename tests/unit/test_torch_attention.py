@@ -112,3 +112,27 @@ def test_cpu_kernel_store_refuses_a_slot_outside_the_cache():
     k_cache, v_cache = torch.zeros(2, 256, 2, 8), torch.zeros(2, 256, 2, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
         TorchBackend().store_kvcache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), k_cache, v_cache, torch.tensor([512]))
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_step_plan_is_per_step(use_kernel):
+    """One backend serves every layer and step: a plan built for one step's metadata must not leak into the
+    next (another object), and metadata without host-side lengths (a CUDA graph's, its tensors changed in
+    place between replays) is planned afresh on every call."""
+    if use_kernel and cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    backend = TorchBackend(use_cpu_kernel=use_kernel)
+    for case in CASES + [([1, 1], [9, 400])]:
+        query, k_cache, v_cache, metadata = make_batch(*case, 8, 2, 64, 256, torch.float32)
+        expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
+        for _layer in range(2):
+            got = backend.forward(query, k_cache, v_cache, metadata, 0.125)
+            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [5, 300, 40], 8, 2, 64, 256, torch.float32)
+    metadata.query_lens_cpu = metadata.seq_lens_cpu = None
+    backend.forward(query, k_cache, v_cache, metadata, 0.125)
+    metadata.seq_lens.copy_(torch.tensor([6, 301, 41], dtype=torch.int32))  # the next replay's lengths
+    metadata.max_seq_len = 301
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
+    got = backend.forward(query, k_cache, v_cache, metadata, 0.125)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)

@@ -8,6 +8,8 @@ sequence has no cached prefix). Checked against reference.py in the tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -15,11 +17,44 @@ from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.cpu_ops import cpu_ops
 
 
+@dataclass
+class _StepPlan:
+    """What forward() derives from a step's metadata: built once per step, shared by every layer."""
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    starts: list[int]  # token offset of each sequence's queries (len num_seqs + 1)
+    decode_ids: list[int]  # sequences with one query token
+    decode_rows: torch.Tensor | None  # their rows in the token dimension; None when every sequence decodes
+    decode_tables: torch.Tensor  # [num_decode, max_blocks] int32
+    decode_lens: torch.Tensor  # [num_decode] int32
+
+    @classmethod
+    def build(cls, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
+        query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+        if query_lens is None or seq_lens is None:
+            starts = metadata.query_start_loc.tolist()
+            query_lens = [b - a for a, b in zip(starts, starts[1:])]
+            seq_lens = metadata.seq_lens.tolist()
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        decode_ids = [i for i, q in enumerate(query_lens) if q == 1]
+        if len(decode_ids) == len(query_lens):
+            rows, tables, lens = None, metadata.block_tables, metadata.seq_lens
+        else:
+            rows = torch.tensor([starts[i] for i in decode_ids], device=device)
+            tables = metadata.block_tables[torch.tensor(decode_ids, device=metadata.block_tables.device)]
+            lens = torch.tensor([seq_lens[i] for i in decode_ids], dtype=torch.int32, device=device)
+        return cls(query_lens, seq_lens, starts, decode_ids, rows, tables.int(), lens.int())
+
+
 class TorchBackend:
     name = "torch"
 
     def __init__(self, use_cpu_kernel: bool = True):
         self.use_cpu_kernel = use_cpu_kernel
+        self._plan: tuple[AttentionMetadata, _StepPlan] | None = None  # the current step's, by identity
 
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         kernel = cpu_ops() if self.use_cpu_kernel and key.device.type == "cpu" else None
@@ -35,68 +70,62 @@ class TorchBackend:
         k_flat.index_copy_(0, slot_mapping, key)
         v_flat.index_copy_(0, slot_mapping, value)
 
+    def step_plan(self, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
+        """The plan of the step `metadata` describes; the first layer builds it, the others reuse it.
+
+        Only metadata carrying the host-side lengths (built afresh each step by the model runner) is reused
+        by identity: a CUDA graph's metadata is one object whose tensors change in place between replays."""
+        if metadata.query_lens_cpu is None or metadata.seq_lens_cpu is None:
+            return _StepPlan.build(metadata, device)
+        if self._plan is None or self._plan[0] is not metadata:
+            self._plan = (metadata, _StepPlan.build(metadata, device))
+        return self._plan[1]
+
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, new_kv=None):
-        query_lens = metadata.query_lens_cpu
-        seq_lens = metadata.seq_lens_cpu
-        if query_lens is None or seq_lens is None:
-            starts = metadata.query_start_loc.tolist()
-            query_lens = [b - a for a, b in zip(starts, starts[1:])]
-            seq_lens = metadata.seq_lens.tolist()
+        plan = self.step_plan(metadata, query.device)
         out = torch.empty_like(query)
-        decode_ids = [i for i, q in enumerate(query_lens) if q == 1]
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        if decode_ids:
-            self._decode(query, k_cache, v_cache, metadata, scale, decode_ids, starts, seq_lens, out)
-        if len(decode_ids) < len(query_lens):
-            for i, q_len in enumerate(query_lens):
+        if plan.decode_ids:
+            self._decode(query, k_cache, v_cache, plan, scale, out)
+        if len(plan.decode_ids) < len(plan.query_lens):
+            for i, q_len in enumerate(plan.query_lens):
                 if q_len > 1:
                     self._prefill_one(
-                        query, k_cache, v_cache, metadata, scale, i, starts, q_len, seq_lens[i], new_kv, out
+                        query, k_cache, v_cache, metadata, scale, i, plan.starts, q_len, plan.seq_lens[i], new_kv, out
                     )
         return out
 
-    def _decode(self, query, k_cache, v_cache, metadata, scale, decode_ids, starts, seq_lens, out):
+    def _decode(self, query, k_cache, v_cache, plan: _StepPlan, scale, out):
         block_size = k_cache.shape[1]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        all_decode = len(decode_ids) == len(seq_lens)
-        token_ids = None if all_decode else torch.tensor([starts[i] for i in decode_ids], device=query.device)
-        q = query if all_decode else query[token_ids]  # [B, H_q, D]
+        rows = plan.decode_rows
+        q = query if rows is None else query[rows]  # [B, H_q, D]
         batch = q.shape[0]
         group = q.shape[1] // num_kv_heads
-        lens = [seq_lens[i] for i in decode_ids]
         kernel = cpu_ops() if self.use_cpu_kernel and query.device.type == "cpu" else None
         if kernel is not None and query.dtype in (torch.float32, torch.bfloat16):
-            tables = metadata.block_tables if all_decode else metadata.block_tables[torch.tensor(decode_ids)]
-            lens_t = metadata.seq_lens if all_decode else torch.tensor(lens, dtype=torch.int32)
-            o = kernel.paged_decode(q.contiguous(), k_cache, v_cache, tables.int(), lens_t.int(), scale)
-            if all_decode:
-                out.copy_(o)
-            else:
-                out[token_ids] = o
-            return
-        max_len = max(lens)
-        num_blocks = -(-max_len // block_size)
-        tables = metadata.block_tables if all_decode else metadata.block_tables[torch.tensor(decode_ids)]
-        tables = tables[:, :num_blocks].long()
-        offsets = torch.arange(block_size, device=query.device)
-        slots = (tables.unsqueeze(-1) * block_size + offsets).view(batch, -1)[:, :max_len]  # [B, L]
-        k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, H_kv, D]
-        v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
-        q = q.view(batch, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, H_kv, G, L]
-        if min(lens) < max_len:
-            lens_t = torch.tensor(lens, device=query.device)
-            pad = torch.arange(max_len, device=query.device).unsqueeze(0) >= lens_t.unsqueeze(1)  # [B, L]
-            scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-            v = v.masked_fill(pad[:, :, None, None], 0)  # padded slots may be unwritten (NaN * 0 = NaN)
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        o = torch.matmul(probs, v.permute(0, 2, 1, 3)).reshape(batch, -1, head_dim)  # [B, H_q, D]
-        if all_decode:
+            o = kernel.paged_decode(q.contiguous(), k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
+        else:
+            lens = [plan.seq_lens[i] for i in plan.decode_ids]
+            max_len = max(lens)
+            num_blocks = -(-max_len // block_size)
+            tables = plan.decode_tables[:, :num_blocks].long()
+            offsets = torch.arange(block_size, device=query.device)
+            slots = (tables.unsqueeze(-1) * block_size + offsets).view(batch, -1)[:, :max_len]  # [B, L]
+            k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, H_kv, D]
+            v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+            q = q.view(batch, num_kv_heads, group, head_dim)
+            scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, H_kv, G, L]
+            if min(lens) < max_len:
+                lens_t = torch.tensor(lens, device=query.device)
+                pad = torch.arange(max_len, device=query.device).unsqueeze(0) >= lens_t.unsqueeze(1)  # [B, L]
+                scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+                v = v.masked_fill(pad[:, :, None, None], 0)  # padded slots may be unwritten (NaN * 0 = NaN)
+            probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+            o = torch.matmul(probs, v.permute(0, 2, 1, 3)).reshape(batch, -1, head_dim)  # [B, H_q, D]
+        if rows is None:
             out.copy_(o)
         else:
-            out[token_ids] = o
+            out[rows] = o
 
     def _prefill_one(self, query, k_cache, v_cache, metadata, scale, i, starts, q_len, seq_len, new_kv, out):
         start, end = starts[i], starts[i] + q_len
