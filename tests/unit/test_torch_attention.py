@@ -122,7 +122,7 @@ def test_step_plan_is_per_step(use_kernel):
     if use_kernel and cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     backend = TorchBackend(use_cpu_kernel=use_kernel)
-    for case in CASES + [([1, 1], [9, 400])]:
+    for case in CASES + [([1, 1], [9, 400]), ([5, 20], [5, 30])]:  # all decode, none decoding
         query, k_cache, v_cache, metadata = make_batch(*case, 8, 2, 64, 256, torch.float32)
         expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
         for _layer in range(2):

@@ -43,8 +43,9 @@ class _StepPlan:
         if len(decode_ids) == len(query_lens):
             rows, tables, lens = None, metadata.block_tables, metadata.seq_lens
         else:
-            rows = torch.tensor([starts[i] for i in decode_ids], device=device)
-            tables = metadata.block_tables[torch.tensor(decode_ids, device=metadata.block_tables.device)]
+            rows = torch.tensor([starts[i] for i in decode_ids], dtype=torch.long, device=device)
+            ids = torch.tensor(decode_ids, dtype=torch.long, device=metadata.block_tables.device)
+            tables = metadata.block_tables[ids]
             lens = torch.tensor([seq_lens[i] for i in decode_ids], dtype=torch.int32, device=device)
         return cls(query_lens, seq_lens, starts, decode_ids, rows, tables.int(), lens.int())
 
