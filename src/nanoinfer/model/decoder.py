@@ -68,7 +68,7 @@ class Attention(nn.Module):
 
 # On CPU the MLP of a long prefill step runs this many bytes of [rows, 2 x intermediate] activations at a
 # time. glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh mappings that are
-# page-faulted in on every call: a 9,000-token step's gate_up output (113 MB for SmolLM2) cost more in
+# page-faulted in on every call: a 9,000-token step's gate_up output (110 MB for SmolLM2) cost more in
 # page faults than in FLOPs (the GEMM ran at 80 instead of 119 GFLOP/s, measured). Chunks this size are
 # reused from the heap, and rows are independent, so the result is the same.
 CPU_MLP_CHUNK_BYTES = 16 << 20
