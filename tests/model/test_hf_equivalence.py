@@ -91,8 +91,8 @@ def test_greedy_matches_transformers(tiny_model_dirs, references, family, regime
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlp_row_chunks_match_transformers(tiny_model_dirs, references, family, monkeypatch):
-    """A long prefill's MLP runs in row chunks on CPU (decoder.CPU_MLP_CHUNK_BYTES); at the 256-row floor
-    the 2,052-token step of 16 prompts runs in 9 chunks, the last of 4 rows, and must not change a token."""
+    """A long prefill's MLP runs in row chunks on CPU (decoder.CPU_MLP_CHUNK_BYTES); at the 64-row floor
+    the 2,052-token step of 16 prompts runs in 33 chunks, the last of 4 rows, and must not change a token."""
     import nanoinfer.model.decoder as decoder
 
     monkeypatch.setattr(decoder, "CPU_MLP_CHUNK_BYTES", 1)
@@ -100,11 +100,13 @@ def test_mlp_row_chunks_match_transformers(tiny_model_dirs, references, family, 
     original = decoder.MLP._forward
     monkeypatch.setattr(decoder.MLP, "_forward", lambda self, x: calls.append(x.shape[0]) or original(self, x))
     prompts, expected, _ = references[family, "mixed"]
-    llm = LLM(str(tiny_model_dirs[family]), max_model_len=512, cpu_kvcache_space_gib=0.25)
+    llm = LLM(str(tiny_model_dirs[family]), device="cpu", dtype="float32", max_model_len=512,
+              cpu_kvcache_space_gib=0.25)  # fmt: skip
     outputs = llm.generate(prompts, GREEDY)
     assert [out.token_ids for out in outputs] == expected
-    prefill_rows = sum(map(len, prompts))
-    assert calls[: -(-prefill_rows // 256)] == [256] * (prefill_rows // 256) + [prefill_rows % 256]
+    rows = sum(map(len, prompts))
+    chunks = [min(64, rows - start) for start in range(0, rows, 64)]
+    assert chunks[-1] == 4 and calls[: len(chunks)] == chunks  # the prefill step (then one call per decode step)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -122,3 +122,12 @@ def test_greedy_argmax_reads_strided_rows():
     wide = torch.randn(5, 300)
     logits = wide[:, 10:210]  # rows not back to back
     assert torch.equal(cpu_ops().greedy_argmax(logits), torch.argmax(logits, dim=-1))
+
+
+def test_sampler_argmax_falls_back_to_torch_off_the_kernel():
+    """The kernel takes float32 CPU rows; other dtypes (and empty vocabularies) stay on torch.argmax."""
+    from nanoinfer.model.sampler import _argmax
+
+    logits = torch.randn(4, 50).to(torch.bfloat16)
+    assert torch.equal(_argmax(logits), torch.argmax(logits, dim=-1))
+    assert torch.equal(_argmax(logits.float()), torch.argmax(logits.float(), dim=-1))

@@ -7,7 +7,7 @@ import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.reference import paged_attention_reference, store_kvcache_reference
-from nanoinfer.attention.torch_backend import TorchBackend
+from nanoinfer.attention.torch_backend import TorchBackend, _StepPlan
 from nanoinfer.cpu_ops import cpu_ops
 
 
@@ -115,19 +115,24 @@ def test_cpu_kernel_store_refuses_a_slot_outside_the_cache():
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_step_plan_is_per_step(use_kernel):
-    """One backend serves every layer and step: a plan built for one step's metadata must not leak into the
-    next (another object), and metadata without host-side lengths (a CUDA graph's, its tensors changed in
-    place between replays) is planned afresh on every call."""
+def test_step_plan_is_per_step(use_kernel, monkeypatch):
+    """One backend serves every layer and step: a step's plan is built once and reused by its layers, must
+    not leak into the next step (another metadata object), and metadata without host-side lengths (a CUDA
+    graph's, its tensors changed in place between replays) is planned afresh on every call."""
     if use_kernel and cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernel")
+    builds = []
+    build = _StepPlan.build.__func__
+    monkeypatch.setattr(_StepPlan, "build", classmethod(lambda cls, *a: builds.append(1) or build(cls, *a)))
     backend = TorchBackend(use_cpu_kernel=use_kernel)
-    for case in CASES + [([1, 1], [9, 400]), ([5, 20], [5, 30])]:  # all decode, none decoding
+    cases = CASES + [([1, 1], [9, 400]), ([5, 20], [5, 30])]  # + all decoding, none decoding
+    for case in cases:
         query, k_cache, v_cache, metadata = make_batch(*case, 8, 2, 64, 256, torch.float32)
         expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
-        for _layer in range(2):
+        for _layer in range(3):
             got = backend.forward(query, k_cache, v_cache, metadata, 0.125)
             torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert len(builds) == len(cases)
     query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [5, 300, 40], 8, 2, 64, 256, torch.float32)
     metadata.query_lens_cpu = metadata.seq_lens_cpu = None
     backend.forward(query, k_cache, v_cache, metadata, 0.125)
@@ -136,3 +141,4 @@ def test_step_plan_is_per_step(use_kernel):
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
     got = backend.forward(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert len(builds) == len(cases) + 2

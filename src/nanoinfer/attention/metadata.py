@@ -20,7 +20,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0 past a sequence's blocks
     max_query_len: int
     max_seq_len: int
-    # CPU copies of the lengths, so the host-side paths need no device sync.
+    # CPU copies of the lengths, so the host-side paths need no device sync. Metadata that carries them is
+    # built for one step and never changed afterwards (the torch backend reuses its per-step plan by
+    # identity); a CUDA graph's metadata, updated in place between replays, leaves them None.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
 

@@ -33,13 +33,15 @@ class _StepPlan:
     def build(cls, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
         query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
         if query_lens is None or seq_lens is None:
-            starts = metadata.query_start_loc.tolist()
-            query_lens = [b - a for a, b in zip(starts, starts[1:])]
+            offsets = metadata.query_start_loc.tolist()
+            query_lens = [b - a for a, b in zip(offsets, offsets[1:])]
             seq_lens = metadata.seq_lens.tolist()
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
         decode_ids = [i for i, q in enumerate(query_lens) if q == 1]
+        if not decode_ids:  # a prefill-only step: nothing to select
+            return cls(query_lens, seq_lens, starts, decode_ids, None, metadata.block_tables[:0], metadata.seq_lens[:0])
         if len(decode_ids) == len(query_lens):
             rows, tables, lens = None, metadata.block_tables, metadata.seq_lens
         else:
@@ -74,8 +76,9 @@ class TorchBackend:
     def step_plan(self, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
         """The plan of the step `metadata` describes; the first layer builds it, the others reuse it.
 
-        Only metadata carrying the host-side lengths (built afresh each step by the model runner) is reused
-        by identity: a CUDA graph's metadata is one object whose tensors change in place between replays."""
+        Only metadata carrying the host-side lengths (built afresh each step by the model runner, never
+        changed after; see metadata.py) is reused by identity: a CUDA graph's metadata is one object whose
+        tensors change in place between replays. The last step's metadata stays referenced until the next."""
         if metadata.query_lens_cpu is None or metadata.seq_lens_cpu is None:
             return _StepPlan.build(metadata, device)
         if self._plan is None or self._plan[0] is not metadata:

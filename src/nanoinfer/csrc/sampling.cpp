@@ -54,6 +54,7 @@ int64_t argmax_row(const float* x, int64_t n) {
 
 torch::Tensor greedy_argmax(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "greedy_argmax: [rows, vocab] float32");
+  TORCH_CHECK(logits.device().is_cpu(), "greedy_argmax: CPU tensor");
   TORCH_CHECK(logits.size(1) > 0, "greedy_argmax: empty vocabulary");
   const auto x = logits.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);

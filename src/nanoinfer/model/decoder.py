@@ -67,10 +67,11 @@ class Attention(nn.Module):
 
 
 # On CPU the MLP of a long prefill step runs this many bytes of [rows, 2 x intermediate] activations at a
-# time. glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh mappings that are
-# page-faulted in on every call: a 9,000-token step's gate_up output (110 MB for SmolLM2) cost more in
-# page faults than in FLOPs (the GEMM ran at 80 instead of 119 GFLOP/s, measured). Chunks this size are
-# reused from the heap, and rows are independent, so the result is the same.
+# time (at least 64 rows). glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh
+# mappings that are page-faulted in on every call: a 9,000-token step's gate_up output (110 MB for
+# SmolLM2) cost more in page faults than in FLOPs (the GEMM ran at 80 instead of 119 GFLOP/s, measured).
+# Chunks this size are reused from the heap. Rows are independent, so the result is the same (bit for bit
+# with our panel GEMM, whose per-row sums do not depend on the number of rows).
 CPU_MLP_CHUNK_BYTES = 16 << 20
 
 
@@ -84,10 +85,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         rows = x.shape[0]
-        chunk = max(256, CPU_MLP_CHUNK_BYTES // (sum(self.gate_up_proj.output_sizes) * x.element_size()))
+        chunk = max(64, CPU_MLP_CHUNK_BYTES // (sum(self.gate_up_proj.output_sizes) * x.element_size()))
         if x.device.type != "cpu" or rows <= chunk:
             return self._forward(x)
-        out = torch.empty(rows, self.hidden_size, dtype=x.dtype)
+        out = x.new_empty(rows, self.hidden_size)
         for start in range(0, rows, chunk):
             out[start : start + chunk] = self._forward(x[start : start + chunk])
         return out
