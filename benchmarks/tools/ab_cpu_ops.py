@@ -1,0 +1,101 @@
+"""A/B two builds of nanoinfer's CPU kernels in one process, alternating, best of N.
+
+This VM's speed drifts by 10-20% between runs (the same W run gave 118 and 144 tok/s ten minutes apart),
+so a kernel change worth a few percent cannot be shown by two separate `nanoinfer bench` runs. Here both
+builds are loaded side by side (torch's extension cache keeps every build, named by a digest of its
+sources) and take turns on the same inputs:
+
+- gemm: a decode step's linears (SmolLM2's four shapes) for 30 layers' distinct weights, at 16/32/64 rows;
+- decode: whole engine decode steps on the default model (64 sequences, 150-250-token prompts).
+
+Usage (build names as in ~/.cache/torch_extensions/<py>_cpu/; `python -c "from nanoinfer.cpu_ops import
+cpu_ops; print(cpu_ops())"` prints the current one, and `git stash` + the same line builds the old one):
+
+    python benchmarks/tools/ab_cpu_ops.py nanoinfer_cpu_ops_<old> nanoinfer_cpu_ops_<new> --what gemm
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import time
+
+import torch
+
+
+def load_build(name: str):
+    from nanoinfer.cpu_ops import _build_dir
+
+    path = _build_dir(name) / f"{name}.so"
+    if not path.is_file():
+        raise SystemExit(f"no build {path}: build it first (see this script's docstring)")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ab_gemm(builds: dict, reps: int) -> None:
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
+    first = next(iter(builds.values()))
+    layers = [[first.pack_linear_weight(torch.randn(n, k) * 0.02) for k, n in shapes] for _ in range(30)]
+    for rows in (16, 32, 64):
+        x = {k: torch.randn(rows, k) for k, _ in shapes}
+        flops = 2 * rows * sum(k * n for k, n in shapes) * len(layers)
+        best = dict.fromkeys(builds, float("inf"))
+        for _ in range(reps):
+            for name, ops in builds.items():
+                start = time.perf_counter()
+                for weights in layers:
+                    for (k, n), w in zip(shapes, weights):
+                        ops.packed_linear(x[k], w, None, n)
+                best[name] = min(best[name], time.perf_counter() - start)
+        print(f"{rows:3d} rows  " + "  ".join(f"{n}: {flops / s / 1e9:6.1f} GFLOP/s" for n, s in best.items()))
+
+
+def ab_decode(builds: dict, reps: int, batch: int) -> None:
+    import nanoinfer.cpu_ops as cpu_ops_module
+    from nanoinfer.llm import LLM
+    from nanoinfer.sampling_params import SamplingParams
+
+    cpu_ops_module._module = next(iter(builds.values()))  # the engine packs its weights with the first
+    llm = LLM(model="smollm2-135m-instruct", dtype="float32")
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
+    per_step = {name: [] for name in builds}
+    for _ in range(reps):
+        for name, ops in builds.items():
+            cpu_ops_module._module = ops
+            for _ in range(batch):  # fresh prompts: no prefix-cache hits across turns
+                llm.add_request([rng.randrange(49152) for _ in range(rng.randint(150, 250))], params)
+            seconds, steps = 0.0, 0
+            while llm.has_unfinished_requests():
+                _, stats = llm.step()
+                if not stats.num_prefill_tokens:
+                    seconds, steps = seconds + stats.seconds, steps + 1
+            per_step[name].append(seconds / steps * 1e3)
+    for name, values in per_step.items():
+        print(f"{name}: best {min(values):.1f} ms per decode step of {batch}, all {[round(v, 1) for v in values]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", help="build name of the CPU kernels, e.g. nanoinfer_cpu_ops_0123456789ab")
+    parser.add_argument("b", help="the other build")
+    parser.add_argument("--what", choices=("gemm", "decode"), default="gemm")
+    parser.add_argument("--reps", type=int, default=None, help="turns per build (default: 10 gemm, 3 decode)")
+    parser.add_argument("--batch", type=int, default=64, help="decode: sequences per step")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    builds = {"A": load_build(args.a), "B": load_build(args.b)}
+    print(f"A = {args.a}, B = {args.b}, {args.threads} threads")
+    if args.what == "gemm":
+        ab_gemm(builds, args.reps or 10)
+    else:
+        ab_decode(builds, args.reps or 3, args.batch)
+
+
+if __name__ == "__main__":
+    main()
