@@ -54,10 +54,27 @@ def ab_gemm(builds: dict, reps: int) -> None:
         print(f"{rows:3d} rows  " + "  ".join(f"{n}: {flops / s / 1e9:6.1f} GFLOP/s" for n, s in best.items()))
 
 
+class _WithFallback:
+    """A build, with the functions it lacks (an older build than the Python code) taken from the other."""
+
+    def __init__(self, build, other):
+        self._build, self._other = build, other
+
+    def __getattr__(self, name):
+        return getattr(self._build, name) if hasattr(self._build, name) else getattr(self._other, name)
+
+
 def ab_decode(builds: dict, reps: int, batch: int) -> None:
     import nanoinfer.cpu_ops as cpu_ops_module
     from nanoinfer.llm import LLM
     from nanoinfer.sampling_params import SamplingParams
+
+    (a, ops_a), (b, ops_b) = builds.items()
+    for name, ops, other in ((a, ops_a, ops_b), (b, ops_b, ops_a)):
+        missing = sorted(set(dir(other)) - set(dir(ops)) - {"__file__", "__loader__", "__spec__", "__name__"})
+        if missing:
+            print(f"{name} lacks {', '.join(missing)}: taken from the other build")
+    builds = {a: _WithFallback(ops_a, ops_b), b: _WithFallback(ops_b, ops_a)}
 
     cpu_ops_module._module = next(iter(builds.values()))  # the engine packs its weights with the first
     llm = LLM(model="smollm2-135m-instruct", dtype="float32")

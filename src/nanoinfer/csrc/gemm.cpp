@@ -11,12 +11,8 @@
 // - a 6 x 16 register tile: 12 accumulators + 2 weight vectors + 1 broadcast = 15 of the 16 ymm registers,
 //   6 broadcasts and 2 loads per 12 FMAs, so the FMA ports, not the loads, set the pace;
 // - rows go in chunks of 120, each packed just before use, so a chunk of x (120 x K floats) stays in L2
-//   while the panels stream past it; threads take up to four panels at a time (dynamic schedule: a core
-//   slowed by a neighbour does not hold the others up; fewer per take when there are few panels per thread);
-// - while a panel's first register tile runs, the next panel of the same take is prefetched, a line per
-//   k-step: in decode each panel comes from DRAM once per step, and the hardware prefetcher stops at every
-//   4 KiB page. Measured through the extension (2 threads, a decode step's linears for 30 layers in turn,
-//   best of 10 alternating): 16 rows 55 -> 62 GFLOP/s, 32 rows 82 -> 92, 64 rows unchanged (106).
+//   while the panels stream past it; threads take panels (dynamic schedule: a core slowed by a neighbour
+//   does not hold the other up).
 #include "simd.h"
 
 namespace {
@@ -24,7 +20,6 @@ namespace {
 constexpr int NR = 16;        // output columns per panel (two ymm vectors)
 constexpr int MR = 6;         // rows per register tile
 constexpr int64_t MC = 120;   // rows per chunk of x kept in L2
-constexpr int64_t MAX_PANELS_PER_TAKE = 4;  // panels a thread takes at a time (the next is prefetched)
 
 // Output element from a float32 sum: bfloat16 rounds to nearest even (what torch's conversion does).
 inline float store_as(float x, float*) { return x; }
@@ -33,13 +28,11 @@ inline at::BFloat16 store_as(float x, at::BFloat16*) { return static_cast<at::BF
 #ifdef NANOINFER_AVX2
 template <int R, typename W, typename O>
 inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
-                 int ncols, const float* __restrict bias, const W* prefetch) {
+                 int ncols, const float* __restrict bias) {
   // Named accumulators, not an array: with an array GCC spills all twelve to the stack every k-step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int64_t k = 0; k < K; ++k) {
-    if (prefetch && (k * NR * sizeof(W)) % 64 == 0)  // one prefetch per 64-byte line
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR), _MM_HINT_T0);
     const __m256 b0 = load8(b + k * NR), b1 = load8(b + k * NR + 8);  // bfloat16 widens exactly
     const float* ak = a + k * R;
     __m256 av;
@@ -73,7 +66,7 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
 }
 #else
 template <int R, typename W, typename O>
-inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, const float* bias, const W*) {
+inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, const float* bias) {
   float acc[MR][NR] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < R; ++r)
@@ -83,22 +76,19 @@ inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int n
 }
 #endif
 
-// rows x 16 outputs of one panel; x's rows are packed in MR-row blocks (the last may be shorter). The first
-// tile prefetches `next` (the following panel, or null).
+// rows x 16 outputs of one panel; x's rows are packed in MR-row blocks (the last may be shorter).
 template <typename W, typename O>
-void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, int64_t rows, const float* bias,
-           const W* next) {
+void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, int64_t rows, const float* bias) {
   int64_t m = 0;
-  for (; m + MR <= rows; m += MR) tile<MR>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias, m == 0 ? next : nullptr);
+  for (; m + MR <= rows; m += MR) tile<MR>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias);
   const float* at = a + m * K;
   O* ct = c + m * ldc;
-  const W* pf = m == 0 ? next : nullptr;
   switch (rows - m) {
-    case 5: tile<5>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 4: tile<4>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 3: tile<3>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 2: tile<2>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 1: tile<1>(at, b, K, ct, ldc, ncols, bias, pf); break;
+    case 5: tile<5>(at, b, K, ct, ldc, ncols, bias); break;
+    case 4: tile<4>(at, b, K, ct, ldc, ncols, bias); break;
+    case 3: tile<3>(at, b, K, ct, ldc, ncols, bias); break;
+    case 2: tile<2>(at, b, K, ct, ldc, ncols, bias); break;
+    case 1: tile<1>(at, b, K, ct, ldc, ncols, bias); break;
     default: break;
   }
 }
@@ -138,8 +128,6 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
   static thread_local std::vector<float> buffer;
   if ((int64_t)buffer.size() < MC * K) buffer.resize(MC * K);
   float* a = buffer.data();  // taken here: inside the parallel region `buffer` would be each worker's own
-  // Panels per take: up to four, but at least two takes per thread (an o_proj of 36 panels on 16 threads).
-  const int64_t take = std::clamp<int64_t>(P / (2 * at::get_num_threads()), 1, MAX_PANELS_PER_TAKE);
   #pragma omp parallel num_threads(at::get_num_threads())
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min<int64_t>(MC, M - m0);
@@ -151,11 +139,10 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
       for (int64_t k = 0; k < K; ++k)
         for (int r = 0; r < n; ++r) dst[k * n + r] = to_f(xs[(m0 + r0 + r) * K + k]);
     }  // implicit barrier: the chunk is packed before any panel reads it
-    #pragma omp for schedule(dynamic, take)
+    #pragma omp for schedule(dynamic, 2)
     for (int64_t p = 0; p < P; ++p) {
       const int ncols = (int)std::min<int64_t>(NR, N - p * NR);
-      const T* next = (p + 1) % take != 0 && p + 1 < P ? b + (p + 1) * K * NR : nullptr;
-      panel(a, b + p * K * NR, K, c + m0 * N + p * NR, N, ncols, rows, bias ? bias + p * NR : nullptr, next);
+      panel(a, b + p * K * NR, K, c + m0 * N + p * NR, N, ncols, rows, bias ? bias + p * NR : nullptr);
     }  // implicit barrier: every panel is done before the next chunk overwrites the buffer
   }
 }
