@@ -9,6 +9,7 @@ sequence has no cached prefix). Checked against reference.py in the tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +34,11 @@ class _StepPlan:
     def build(cls, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
         query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
         if query_lens is None or seq_lens is None:
-            offsets = metadata.query_start_loc.tolist()
-            query_lens = [b - a for a, b in zip(offsets, offsets[1:])]
+            starts = metadata.query_start_loc.tolist()
+            query_lens = [b - a for a, b in zip(starts, starts[1:])]
             seq_lens = metadata.seq_lens.tolist()
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
+        else:
+            starts = list(accumulate(query_lens, initial=0))
         decode_ids = [i for i, q in enumerate(query_lens) if q == 1]
         if not decode_ids:  # a prefill-only step: nothing to select
             return cls(query_lens, seq_lens, starts, decode_ids, None, metadata.block_tables[:0], metadata.seq_lens[:0])

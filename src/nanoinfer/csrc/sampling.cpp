@@ -27,16 +27,16 @@ int64_t argmax_row(const float* x, int64_t n) {
       m = _mm256_max_ps(m, v);
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
-    float tail_nan = 0.f;
+    bool tail_nan = false;
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, m);
     float best = lanes[0];
     for (int j = 1; j < 8; ++j) best = std::max(best, lanes[j]);
     for (; i < n; ++i) {
-      if (std::isnan(x[i])) tail_nan = 1.f;
+      tail_nan = tail_nan || std::isnan(x[i]);
       best = std::max(best, x[i]);
     }
-    if (_mm256_movemask_ps(nan) != 0 || tail_nan != 0.f) return argmax_scalar(x, n);
+    if (_mm256_movemask_ps(nan) != 0 || tail_nan) return argmax_scalar(x, n);  // torch: the first NaN wins
     const __m256 target = _mm256_set1_ps(best);
     i = 0;
     for (; i + 8 <= n; i += 8) {
