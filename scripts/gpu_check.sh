@@ -22,6 +22,8 @@
 #   GPU_CHECK_BENCH     auto (default) | full | small | off. auto runs the full workload when at least
 #                       BENCH_FULL_MIN_S (240 s) are left, else the small one (64 requests, 100-512 in/out),
 #                       which needs BENCH_SMALL_MIN_S (90 s); with less left the bench is skipped (a failure).
+#   GPU_CHECK_TESTS     the test paths pytest runs (default: "tests/gpu tests/kernels"), e.g. tests/gpu alone for
+#                       a rerun after the kernel tests passed, leaving the full bench more time
 # shellcheck disable=SC2329  # the step_* functions run through `timeout ... bash -c`
 set -u
 
@@ -31,6 +33,7 @@ LOG_DIR=${GPU_LOG_DIR:-gpu_logs}
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-480}
 BENCH_MODE=${GPU_CHECK_BENCH:-auto}
+TESTS=${GPU_CHECK_TESTS:-tests/gpu tests/kernels}
 BENCH_FULL_MIN_S=240
 BENCH_SMALL_MIN_S=90
 SMALL_BENCH=(--num-requests 64 --input-len 100 512 --output-len 100 512)
@@ -42,7 +45,7 @@ rm -f "$LOG_DIR"/{steps.tsv,meta.txt,summary.txt,nvidia-smi.csv,imports.json,pyt
 rm -f "$LOG_DIR"/{nvidia-smi,imports,pytest,plan-memory,bench}.log
 printf 'step\tstatus\trc\tseconds\tlog\tnote\n' >"$STEPS"
 
-export ROOT LOG_DIR PY
+export ROOT LOG_DIR PY TESTS
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1  # no internet there: fail fast
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -184,7 +187,8 @@ step_imports() {
 step_pytest() {
     # No -m gpu: tests/kernels is not marked gpu (its tests run everywhere, interpreted on CPU), and every
     # test in tests/gpu is. An explicit TRITON_INTERPRET=0 wins over tests/kernels/conftest.py's setdefault.
-    TRITON_INTERPRET=0 "$PY" -m pytest tests/gpu tests/kernels -q -rs -p no:cacheprovider \
+    # shellcheck disable=SC2086  # one word per path
+    TRITON_INTERPRET=0 "$PY" -m pytest $TESTS -q -rs -p no:cacheprovider \
         -o junit_family=xunit2 --junitxml="$LOG_DIR/pytest.xml"
 }
 

@@ -70,3 +70,35 @@ def test_reallocating_the_cache_drops_the_graphs(tiny_model_dirs):
     runner.allocate_kv_cache(runner.num_blocks)
     assert runner.graph_runner is None
     assert not runner.uses_cuda_graphs  # CPU: the engine never captures here
+
+
+def test_graph_memory_is_measured_even_though_capture_empties_the_allocator_cache(monkeypatch):
+    """torch.cuda.graph() empties the caching allocator on entry. The warm-up pass's cached activations then
+    go back to the driver during the capture and used to cancel out the graphs' own pool (an H200 run
+    measured 0 bytes). A fake allocator replays that: 300 MiB cached, a 40 MiB graph pool, 2 MiB of
+    instantiated graphs outside the allocator."""
+    from nanoinfer.engine import engine
+
+    mib = 2**20
+    gpu = {"live": 1000 * mib, "cached": 300 * mib, "pool": 0, "driver": 0, "total": 10_000 * mib}
+
+    def empty_cache():
+        gpu["cached"] = 0
+
+    def reserved() -> int:
+        return gpu["live"] + gpu["cached"] + gpu["pool"]
+
+    class Runner:
+        def capture_cuda_graphs(self):
+            empty_cache()  # what torch.cuda.graph() does first
+            gpu["pool"], gpu["driver"] = 40 * mib, 2 * mib
+
+        def release_cuda_graphs(self):
+            gpu["pool"] = gpu["driver"] = 0
+
+    monkeypatch.setattr(engine.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(engine.torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(engine.torch.cuda, "memory_reserved", reserved)
+    monkeypatch.setattr(engine.torch.cuda, "mem_get_info",
+                        lambda: (gpu["total"] - reserved() - gpu["driver"], gpu["total"]))  # fmt: skip
+    assert engine._measure_cuda_graph_bytes(Runner()) == 42 * mib

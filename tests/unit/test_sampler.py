@@ -112,3 +112,33 @@ def test_bad_sampling_values_are_request_errors(bad):
     with pytest.raises(RequestError) as e:
         SamplingParams(**bad)
     assert next(iter(bad)) in str(e.value)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_sampling_feature_runs_on_the_logits_device(device):
+    """Filters, penalties, seeds and logprobs together on the logits' own device: on CUDA a CPU tensor or a
+    CPU generator anywhere in the sampler fails (an H200 run found the temperatures tensor on the CPU)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n = 64
+    logits = LOGITS.repeat(n, 1).to(device)
+    params = dict(temperature=0.8, top_k=3, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                  presence_penalty=0.1, frequency_penalty=0.1, logprobs=2)  # fmt: skip
+
+    def run(seed: int | None) -> tuple[list[int], list]:
+        seeds = [None if seed is None else seed + i for i in range(n)]  # one seed per request
+        seqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(**params, seed=s)).sequences[0] for i, s in enumerate(seeds)]
+        for seq in seqs:
+            seq.token_ids.append(0)  # one generated token, so presence and frequency penalties apply
+        return Sampler(seed=0)(logits, seqs), seqs
+
+    tokens, seqs = run(seed=7)
+    assert set(tokens) <= {0, 1, 2} and len(set(tokens)) > 1  # top_k=3 keeps tokens 0..2
+    assert all(seq.generator.device == logits.device for seq in seqs)
+    assert run(seed=7)[0] == tokens  # seeded: the same draws again
+    unseeded, seqs = run(seed=None)
+    assert set(unseeded) <= {0, 1, 2} and all(seq.generator is None for seq in seqs)
+    assert all(len(seq.logprobs) == 1 and len(seq.logprobs[0].top) == 2 for seq in seqs)

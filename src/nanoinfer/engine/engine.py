@@ -140,11 +140,20 @@ def _build_cuda_runner(config: Config, block_bytes: int):
 
 
 def _measure_cuda_graph_bytes(runner: ModelRunner) -> int:
-    """Capture the decode graphs once over the warm-up cache and see how much memory they hold."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_reserved()
+    """Capture the decode graphs once over the warm-up cache and see how much memory they hold: their private
+    pool (torch's allocator) and the instantiated graphs themselves (the driver's, seen only by mem_get_info)."""
+
+    def settled() -> tuple[int, int]:
+        # torch.cuda.graph() empties the allocator's cache on entry: without emptying it here too, the warm-up
+        # pass's cached activations, released during the capture, would cancel out the graphs' own memory
+        # (an H200 run measured 0 bytes that way).
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+
+    free_before, reserved_before = settled()
     runner.capture_cuda_graphs()
-    graph_bytes = torch.cuda.memory_reserved() - before
+    free_after, reserved_after = settled()
     runner.release_cuda_graphs()
     torch.cuda.empty_cache()
-    return max(graph_bytes, 0)
+    return max(free_before - free_after, reserved_after - reserved_before, 0)

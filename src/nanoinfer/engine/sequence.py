@@ -49,9 +49,10 @@ class Sequence:
         self.output_text = ""  # filled by the stop-string checker when stop strings are set
         self.num_preemptions = 0
         seed = request.sampling_params.seed
+        self.sampling_seed = None if seed is None else seed + index
+        # Made by the sampler on the logits' device at the first draw: a CPU generator cannot drive a CUDA
+        # multinomial, and copying each seeded row to the CPU would sync once per sequence per step.
         self.generator: torch.Generator | None = None
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed + index)
 
     @property
     def params(self) -> SamplingParams:

@@ -15,7 +15,13 @@ from nanoinfer.engine.sequence import Logprob, Sequence
 
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # unseeded draws, one per device
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits [num_seqs, vocab] float32 -> one token id per sequence."""
@@ -38,12 +44,13 @@ class Sampler:
         return result
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        temperatures = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+        device = logits.device
+        temperatures = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=device)
         logits = logits / temperatures.unsqueeze(1)
         top_ks = [s.params.top_k for s in seqs]
         if any(k > 0 for k in top_ks):
             vocab = logits.shape[-1]
-            k = torch.tensor([k if k > 0 else vocab for k in top_ks]).clamp(max=vocab)
+            k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device).clamp(max=vocab)
             kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
@@ -52,20 +59,22 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
             cumulative = sorted_probs.cumsum(dim=-1)
             # Drop a token when the tokens before it already reach top_p (the top token always stays).
-            drop = (cumulative - sorted_probs) >= torch.tensor(top_ps).unsqueeze(1)
+            drop = (cumulative - sorted_probs) >= torch.tensor(top_ps, device=device).unsqueeze(1)
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
         min_ps = [s.params.min_p for s in seqs]
         if any(p > 0 for p in min_ps):
-            threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps).unsqueeze(1)
+            threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps, device=device).unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-        out = torch.empty(len(seqs), dtype=torch.long)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        out = torch.empty(len(seqs), dtype=torch.long, device=device)
+        unseeded = [i for i, s in enumerate(seqs) if s.sampling_seed is None]
         if unseeded:
-            out[unseeded] = torch.multinomial(probs[unseeded], 1, generator=self.generator).squeeze(1)
+            out[unseeded] = torch.multinomial(probs[unseeded], 1, generator=self._generator(device)).squeeze(1)
         for i, seq in enumerate(seqs):
-            if seq.generator is not None:
+            if seq.sampling_seed is not None:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=device).manual_seed(seq.sampling_seed)
                 out[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
         return out
 
@@ -79,12 +88,13 @@ def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
     if p.repetition_penalty != 1.0:
         # HF semantics: over prompt and output tokens; divide positive logits, multiply negative ones.
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and seq.num_output_tokens:
         # OpenAI semantics: over generated tokens only.
-        counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
+        output_ids = torch.tensor(seq.output_token_ids, device=logits.device)
+        counts = torch.bincount(output_ids, minlength=logits.shape[-1]).to(logits.dtype)
         logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
