@@ -179,8 +179,10 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunR
     start = time.perf_counter()
     llm = LLM(config=config)
     load_seconds = time.perf_counter() - start
-    engine_info = {"kv_cache": llm.engine.plan.summary_line(), "num_kvcache_blocks": llm.engine.plan.num_blocks,
-                   "torch_threads": torch.get_num_threads(), "ready_since_process_start_s": process_age()}  # fmt: skip
+    plan = llm.engine.plan
+    engine_info = {"kv_cache": plan.summary_line(), "num_kvcache_blocks": plan.num_blocks,
+                   "torch_threads": torch.get_num_threads(), "ready_since_process_start_s": process_age(),
+                   "plan": asdict(plan)}  # where the memory went: weights, activations, graphs  # fmt: skip
     if warmup:
         llm.generate([[0] * WARMUP_PROMPT_LEN], _greedy(SamplingParams, WARMUP_OUTPUT_LEN))
     params = [_greedy(SamplingParams, n) for n in workload.output_lens]

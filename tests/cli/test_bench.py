@@ -63,6 +63,8 @@ def test_bench_counts_exactly_the_requested_tokens_and_writes_the_json_schema(ti
         report["machine"]
     )
     assert report["config"]["dtype"] == "float32" and report["ratio"] is None
+    plan = report["engine"]["plan"]
+    assert plan["num_blocks"] == report["engine"]["num_kvcache_blocks"] and plan["graph_bytes"] == 0  # CPU: none
 
     workload = expected_workload(report["workload"]["token_ids_below"])
     assert report["workload"]["num_requests"] == 5
