@@ -19,6 +19,7 @@ from nanoinfer.model.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 # Fields that are not user settings: filled in by __post_init__ (or, for eos, by the engine).
 NOT_SETTABLE = {
@@ -52,6 +53,11 @@ class Config:
         device: auto | cpu | cuda (auto: cuda when available, else cpu).
         dtype: auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA, float16 on GPUs without
             bfloat16, float32 on CPU). float16 is refused on CPU.
+        kv_cache_dtype: auto | float32 | bfloat16 | float16: what the KV cache stores (vLLM's field). auto
+            is the model's dtype; bfloat16 under a float32 model halves the cache (twice the tokens in the
+            same memory, less to read per decode step) at the price of exact agreement with transformers.
+            Keys and values are rounded once, when stored; attention still computes in float32. float16
+            is refused on CPU; flash-attn needs it equal to dtype.
         attention_backend: auto | torch | triton | flash-attn. triton and flash-attn need CUDA; flash-attn
             needs the flash-attn package and float16/bfloat16. auto picks flash-attn, then triton, then torch.
         seed: global seed for sampling when a request gives none.
@@ -79,6 +85,7 @@ class Config:
     # nanoinfer's own fields
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
     cpu_kvcache_space_gib: float = 4.0
@@ -170,6 +177,7 @@ class Config:
                         )
                     )
         problems += self._resolve_dtype(device_ok, bad)
+        problems += self._resolve_kv_cache_dtype(device_ok, bad)
         problems += self._resolve_attention_backend(device_ok, bad)
         return problems
 
@@ -208,6 +216,27 @@ class Config:
                 ]
         return []
 
+    def _resolve_kv_cache_dtype(self, device_ok: bool, bad: set[str]) -> list[ConfigProblem]:
+        if "kv_cache_dtype" in bad:
+            return []
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fp8 = " (fp8 caches are not supported yet)" if "fp8" in str(self.kv_cache_dtype) else ""
+            rule = f"must be one of {', '.join(KV_CACHE_DTYPES)}{fp8}. Pick one of those."
+            return [ConfigProblem("kv_cache_dtype", self.kv_cache_dtype, rule)]
+        if not device_ok or "dtype" in bad or self.dtype not in DTYPES or self.dtype == "auto":
+            return []  # the dtype's own problem is reported; auto stays until it resolves
+        if self.kv_cache_dtype == "auto":
+            self.kv_cache_dtype = self.dtype
+            return []
+        if self.kv_cache_dtype == "float16" and self.device == "cpu":
+            return [
+                ConfigProblem(
+                    "kv_cache_dtype", "float16", "is not usable on the CPU (the CPU kernels read float32 and "
+                    "bfloat16 caches). Use bfloat16 for a half-size cache, or auto.",
+                )
+            ]  # fmt: skip
+        return []
+
     def _resolve_attention_backend(self, device_ok: bool, bad: set[str]) -> list[ConfigProblem]:
         from nanoinfer.attention.backend import select_backend
 
@@ -217,8 +246,10 @@ class Config:
             return [_choice_problem("attention_backend", self.attention_backend, ATTENTION_BACKENDS)]
         if not device_ok or "dtype" in bad:
             return []
+        # An unresolved or invalid kv_cache_dtype has its own problem: judge the backend by the model dtype.
+        kv_dtype = self.kv_cache_dtype if self.kv_cache_dtype in KV_CACHE_DTYPES[1:] else self.dtype
         try:
-            backend, why = select_backend(self.attention_backend, self.device, self.dtype)
+            backend, why = select_backend(self.attention_backend, self.device, self.dtype, kv_dtype)
         except ConfigError as e:
             return list(e.problems)
         if self.attention_backend == "auto":

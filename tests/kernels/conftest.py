@@ -43,10 +43,11 @@ class PagedBatch:
 
 def make_paged_batch(
     specs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """specs: (num_cached_tokens, query_len) per sequence. Blocks are handed out in a shuffled order so a
-    kernel that assumes contiguous or ordered block ids reads the wrong keys."""
+    kernel that assumes contiguous or ordered block ids reads the wrong keys. cache_dtype (default: dtype)
+    is the caches' dtype, as kv_cache_dtype sets it."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [cached + query_len for cached, query_len in specs]
     blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
@@ -78,8 +79,8 @@ def make_paged_batch(
         query=randn(num_tokens, num_heads, head_dim),
         key=randn(num_tokens, num_kv_heads, head_dim),
         value=randn(num_tokens, num_kv_heads, head_dim),
-        k_cache=randn(num_blocks, block_size, num_kv_heads, head_dim),
-        v_cache=randn(num_blocks, block_size, num_kv_heads, head_dim),
+        k_cache=randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype or dtype),
+        v_cache=randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype or dtype),
         metadata=metadata,
     )
 

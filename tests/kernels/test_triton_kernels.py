@@ -50,9 +50,31 @@ def test_store_writes_each_token_to_its_slot_and_skips_padding(paged_batch, dtyp
     assert torch.equal(batch.v_cache, expected_v)
 
 
-def test_store_rejects_key_dtype_that_differs_from_the_cache(paged_batch):
+def test_store_rounds_keys_into_a_narrower_cache(paged_batch):
+    """kv_cache_dtype bfloat16 under a float32 model. Compiled, Triton rounds to nearest even, exactly as
+    torch's .to() does; its CPU interpreter truncates instead (numpy), so there the oracle truncates too."""
+    batch = paged_batch([(0, 20), (250, 12)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=256,
+                        cache_dtype=torch.bfloat16)  # fmt: skip
+    assert batch.key.dtype == torch.float32 and batch.k_cache.dtype == torch.bfloat16
+    compiled = batch.key.device.type == "cuda"
+
+    def to_bf16(x: torch.Tensor) -> torch.Tensor:
+        if compiled:
+            return x.to(torch.bfloat16)
+        return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)  # exact: low bits zero
+
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    store_kvcache_reference(to_bf16(batch.key), to_bf16(batch.value), expected_k, expected_v,
+                            batch.metadata.slot_mapping)  # fmt: skip
+
+    store_kvcache(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+
+    assert torch.equal(batch.k_cache, expected_k) and torch.equal(batch.v_cache, expected_v)
+
+
+def test_store_rejects_keys_and_values_of_different_dtypes(paged_batch):
     batch = paged_batch([(0, 4)], num_heads=2, num_kv_heads=2, head_dim=64, block_size=256)
-    with pytest.raises(ValueError, match="key dtype torch.bfloat16 != cache dtype torch.float32"):
+    with pytest.raises(ValueError, match="key/value dtypes torch.bfloat16/torch.float32"):
         store_kvcache(batch.key.bfloat16(), batch.value, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
 
 
@@ -140,6 +162,23 @@ def test_prefill_matches_reference(paged_batch, dtype, num_heads, num_kv_heads, 
     md = batch.metadata
     out = paged_prefill_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
                                   md.query_start_loc, md.max_query_len, head_dim**-0.5)
+    assert_matches_reference(out, batch)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_float32_queries_over_a_bfloat16_cache_match_the_reference(paged_batch, kernel):
+    """kv_cache_dtype bfloat16 under a float32 model: keys and values are widened exactly and everything else
+    stays float32, so the result matches the float32 oracle on the same (bfloat16) cache to float32 rounding."""
+    specs = [(0, 1), (256, 1), (700, 1)] if kernel == "decode" else [(10, 70), (0, 5), (511, 2)]
+    batch = paged_batch(specs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=256, cache_dtype=torch.bfloat16)
+    md = batch.metadata
+    if kernel == "decode":
+        out = paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                     md.max_seq_len, 0.125, num_splits=3)  # fmt: skip
+    else:
+        out = paged_prefill_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                      md.query_start_loc, md.max_query_len, 0.125)  # fmt: skip
+    assert batch.k_cache.dtype == torch.bfloat16
     assert_matches_reference(out, batch)
 
 

@@ -168,6 +168,26 @@ def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(tiny_model_dirs, f
     assert diverged <= len(prompts) // 2, f"{diverged}/{len(prompts)} sequences diverged"
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_bfloat16_kv_cache_is_close_to_transformers_by_logprobs(tiny_model_dirs, references, family):
+    """kv_cache_dtype bfloat16 under a float32 model, with chunked prefill (later chunks read the rounded
+    cache): against transformers in float32 by vLLM's check_logprobs_close rule; the cache is half the bytes."""
+    prompts, _, _ = references[family, "mixed"]
+    path = tiny_model_dirs[family]
+    expected, _, expected_top = hf_greedy(path, prompts[:8], 16, top_k=5)
+    settings = dict(max_model_len=512, cpu_kvcache_space_gib=0.25, max_num_batched_tokens=64, max_num_seqs=8)
+    llm = LLM(str(path), kv_cache_dtype="bfloat16", **settings)
+    assert llm.config.dtype == "float32" and llm.config.kv_cache_dtype == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for pair in llm.engine.model_runner.kv_caches for t in pair)
+    outputs = llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))
+    ours = [(o.token_ids, [{t for t, _ in lp.top} for lp in o.outputs[0].logprobs]) for o in outputs]
+    diverged = check_logprobs_close(ours, list(zip(expected, expected_top)), ("nanoinfer", "transformers"))
+    print(f"bfloat16 KV cache, {family}: {diverged}/8 sequences diverged within the top 5")
+    assert diverged <= 4, f"{diverged}/8 sequences diverged"
+    full = LLM(str(path), **settings).engine.plan
+    assert llm.engine.plan.block_bytes * 2 == full.block_bytes and llm.engine.plan.num_blocks == 2 * full.num_blocks
+
+
 def test_default_model_matches_transformers(default_model_dir):
     """The real SmolLM2-135M-Instruct on 8 prompts (chat-templated and raw), in every regime."""
     from transformers import AutoTokenizer

@@ -124,6 +124,9 @@ RULES = [
     ({"device": "tpu"}, "device", "tpu", "must be one of auto, cpu, cuda"),
     ({"dtype": "float64"}, "dtype", "float64", "must be one of auto, float32, bfloat16, float16"),
     ({"dtype": "float16", "device": "cpu"}, "dtype", "float16", "Use bfloat16 or float32"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype", "int8", "must be one of auto, float32, bfloat16, float16."),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype", "fp8", "(fp8 caches are not supported yet)"),
+    ({"kv_cache_dtype": "float16"}, "kv_cache_dtype", "float16", "Use bfloat16 for a half-size cache, or auto"),
     ({"attention_backend": "xformers"}, "attention_backend", "xformers", "auto, torch, triton, flash-attn"),
     ({"attention_backend": "triton", "device": "cpu"}, "attention_backend", "triton", "runs only on CUDA"),
     (
@@ -165,6 +168,27 @@ def test_cuda_requested_without_cuda(model_dir):
 def test_flash_attn_needs_half_precision_on_cuda(model_dir):
     problems = problems_of(model=model_dir, device="cuda", dtype="float32", attention_backend="flash-attn")
     assert problems[0].field == "attention_backend"
+
+
+def test_kv_cache_dtype_auto_is_the_model_dtype_and_a_set_one_is_kept(model_dir):
+    assert Config(model=model_dir, device="cpu").kv_cache_dtype == "float32"
+    assert Config(model=model_dir, device="cpu", dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    assert Config(model=model_dir, device="cpu", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    assert Config(model=model_dir, device="cpu", dtype="bfloat16", kv_cache_dtype="float32").kv_cache_dtype == "float32"
+
+
+def test_flash_attn_refuses_a_cache_in_another_dtype_and_auto_passes_it_over(monkeypatch):
+    """flash_attn_with_kvcache reads the cache in the query's dtype: a forced flash-attn names the fix, and
+    auto picks triton instead (the rule itself, so it runs without CUDA or flash-attn here)."""
+    from nanoinfer.attention import backend
+    from nanoinfer.errors import ConfigError
+
+    monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    assert backend.select_backend("auto", "cuda", "bfloat16", "bfloat16")[0] == "flash-attn"
+    assert backend.select_backend("auto", "cuda", "bfloat16", "float32")[0] == "triton"
+    with pytest.raises(ConfigError, match="kv_cache_dtype is float32. Use kv_cache_dtype: auto"):
+        backend.select_backend("flash-attn", "cuda", "bfloat16", "float32")
 
 
 # Values a YAML file or Python code can sneak in: bool is not an int, "64" is not an int.

@@ -106,6 +106,55 @@ def test_store_kvcache_matches_reference_and_skips_padding_slots(use_kernel, dty
     assert caches[0].abs().sum() > 0 and caches[1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "torch"])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_store_kvcache_converts_to_the_cache_dtype_as_torch_does(use_kernel, dtype, cache_dtype):
+    """kv_cache_dtype: keys are rounded to nearest even into a bfloat16 cache (widened exactly into a float32
+    one), bit for bit as .to() does, on both paths."""
+    if use_kernel and cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    qkv = (torch.randn(5, 48) * 3).to(dtype)
+    key, value = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
+    slots = torch.tensor([0, 7, -1, 300, 511])
+    caches = [torch.zeros(2, 256, 2, 8, dtype=cache_dtype) for _ in range(4)]
+    TorchBackend(use_cpu_kernel=use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
+    store_kvcache_reference(key.to(cache_dtype), value.to(cache_dtype), caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "torch"])
+@pytest.mark.parametrize("case", CASES)
+def test_float32_queries_over_a_bfloat16_cache_match_the_reference(use_kernel, case):
+    """A bfloat16 cache under a float32 model: values widen exactly, the rest is float32 arithmetic, so the
+    result matches the float32 oracle on the same cache to float32 rounding."""
+    if use_kernel and cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    query, k_cache, v_cache, metadata = make_batch(*case, 9, 3, 64, 256, torch.float32)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
+    got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_a_fresh_prompt_attends_to_its_keys_as_the_cache_holds_them():
+    """Prefill without a cached prefix reads this step's keys directly (new_kv); under a narrower cache it must
+    round them as the cache does, so a prompt's output does not depend on whether its prefix was cached."""
+    query, k_cache, v_cache, metadata = make_batch([40], [40], 9, 3, 64, 256, torch.float32)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    key, value = torch.randn(40, 3, 64), torch.randn(40, 3, 64)
+    table = metadata.block_tables[0].tolist()
+    slots = torch.tensor([table[t // 256] * 256 + t % 256 for t in range(40)])
+    backend = TorchBackend()
+    backend.store_kvcache(key, value, k_cache, v_cache, slots)
+    from_cache = backend.forward(query, k_cache, v_cache, metadata, 0.125)  # no new_kv: reads the cache
+    direct = TorchBackend().forward(query, k_cache, v_cache, metadata, 0.125, new_kv=(key, value))
+    torch.testing.assert_close(direct, from_cache, atol=2e-6, rtol=1e-6)
+    unrounded = TorchBackend().forward(query, k_cache.float(), v_cache.float(), metadata, 0.125, new_kv=(key, value))
+    assert not torch.allclose(unrounded, from_cache, atol=1e-4)  # the float32 keys would have differed
+
+
 def test_cpu_kernel_store_refuses_a_slot_outside_the_cache():
     if cpu_ops() is None:
         pytest.skip("no C++ compiler here")

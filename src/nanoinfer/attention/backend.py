@@ -40,10 +40,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_backend(requested: str, device: str, dtype: str) -> tuple[str, str]:
+def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str | None = None) -> tuple[str, str]:
     """The one rule: (backend name, why) for `attention_backend: requested` on this device and dtype.
 
-    auto -> flash-attn (CUDA, package installed, fp16/bf16) > triton (CUDA, package installed) > torch.
+    auto -> flash-attn (CUDA, package installed, fp16/bf16, cache in the model's dtype) > triton (CUDA,
+    package installed) > torch.
     A forced name that cannot run here is a ConfigError naming the fix. Config calls this while resolving,
     so the engine only ever sees a name that runs."""
 
@@ -51,8 +52,9 @@ def select_backend(requested: str, device: str, dtype: str) -> tuple[str, str]:
         return ConfigError([ConfigProblem("attention_backend", requested, rule)])
 
     half = dtype in ("bfloat16", "float16")
+    same_cache = kv_cache_dtype in (None, "auto", dtype)  # flash-attn reads the cache in the query's dtype
     if requested == "auto":
-        if device == "cuda" and flash_attn_available() and half:
+        if device == "cuda" and flash_attn_available() and half and same_cache:
             return "flash-attn", "CUDA, flash-attn installed"
         if device == "cuda" and triton_available():
             return "triton", "CUDA" + ("" if half else f", {dtype}")
@@ -68,6 +70,11 @@ def select_backend(requested: str, device: str, dtype: str) -> tuple[str, str]:
         raise problem(
             f"supports only float16 and bfloat16, but dtype is {dtype}. Use dtype: bfloat16, or attention_backend: "
             "triton."
+        )
+    if requested == "flash-attn" and not same_cache:
+        raise problem(
+            f"reads the KV cache in the model's dtype ({dtype}), but kv_cache_dtype is {kv_cache_dtype}. Use "
+            "kv_cache_dtype: auto, or attention_backend: triton."
         )
     if requested == "triton" and not triton_available():
         raise problem("needs the triton package. Install triton, or use torch (or auto).")

@@ -61,9 +61,11 @@ class TorchBackend:
 
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         kernel = cpu_ops() if self.use_cpu_kernel and key.device.type == "cpu" else None
-        if kernel is not None and key.dtype == k_cache.dtype and _rows_contiguous(key) and _rows_contiguous(value):
-            kernel.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        kernel_dtypes = key.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_DTYPES
+        if kernel is not None and kernel_dtypes and _rows_contiguous(key) and _rows_contiguous(value):
+            kernel.store_kvcache(key, value, k_cache, v_cache, slot_mapping)  # converts to the cache's dtype
             return
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)  # kv_cache_dtype: rounded once, here
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         k_flat = k_cache.view(num_slots, *k_cache.shape[2:])  # [num_slots, H_kv, D]
         v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
@@ -106,7 +108,7 @@ class TorchBackend:
         batch = q.shape[0]
         group = q.shape[1] // num_kv_heads
         kernel = cpu_ops() if self.use_cpu_kernel and query.device.type == "cpu" else None
-        if kernel is not None and query.dtype in (torch.float32, torch.bfloat16):
+        if kernel is not None and query.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_DTYPES:
             o = kernel.paged_decode(q.contiguous(), k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
         else:
             lens = [plan.seq_lens[i] for i in plan.decode_ids]
@@ -115,8 +117,8 @@ class TorchBackend:
             tables = plan.decode_tables[:, :num_blocks].long()
             offsets = torch.arange(block_size, device=query.device)
             slots = (tables.unsqueeze(-1) * block_size + offsets).view(batch, -1)[:, :max_len]  # [B, L]
-            k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, H_kv, D]
-            v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+            k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)  # [B, L, H_kv, D]
+            v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)
             q = q.view(batch, num_kv_heads, group, head_dim)
             scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, H_kv, G, L]
             if min(lens) < max_len:
@@ -136,14 +138,18 @@ class TorchBackend:
         q = query[start:end].transpose(0, 1)  # [H_q, q_len, D]
         if new_kv is not None and seq_len == q_len:
             k, v = new_kv[0][start:end], new_kv[1][start:end]  # no cached prefix: read this step's keys
+            if k_cache.dtype != k.dtype:
+                # Rounded as the cache holds them, so a prompt attends alike whether or not its prefix was
+                # cached (and alike on every backend, which all read the cache).
+                k, v = k.to(k_cache.dtype).to(query.dtype), v.to(v_cache.dtype).to(query.dtype)
         else:
             block_size = k_cache.shape[1]
             num_blocks = -(-seq_len // block_size)
             table = metadata.block_tables[i, :num_blocks].long()
             slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=query.device)).view(-1)
             slots = slots[:seq_len]
-            k = k_cache.view(-1, *k_cache.shape[2:])[slots]
-            v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+            k = k_cache.view(-1, *k_cache.shape[2:])[slots].to(query.dtype)
+            v = v_cache.view(-1, *v_cache.shape[2:])[slots].to(query.dtype)
         # 4-D [1, H, L, D]: on CPU only 4-D inputs reach torch's flash kernel; 3-D ones take the math path,
         # which builds the causal mask and the full score matrix (3-5x slower at 256-1024 tokens).
         q, k, v = q.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -155,6 +161,9 @@ class TorchBackend:
             mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ store and decode kernels read and write
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:

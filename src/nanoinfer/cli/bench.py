@@ -25,6 +25,7 @@ from nanoinfer.cli.check_config import (
     EnforceEagerFlag,
     GpuMemoryUtilizationFlag,
     KvcacheBlockSizeFlag,
+    KvCacheDtypeFlag,
     MaxModelLenFlag,
     MaxNumBatchedTokensFlag,
     MaxNumSeqsFlag,
@@ -77,6 +78,7 @@ def bench(
     output_json: Annotated[Path | None, typer.Option(help="Write every number and machine facts here.")] = None,
     warmup: Annotated[bool, typer.Option(help="One short untimed generate per engine first.")] = True,
     dtype: DtypeFlag = None,
+    kv_cache_dtype: KvCacheDtypeFlag = None,
     device: DeviceFlag = None,
     max_num_seqs: MaxNumSeqsFlag = None,
     max_num_batched_tokens: MaxNumBatchedTokensFlag = None,
@@ -105,7 +107,8 @@ def bench(
     from nanoinfer import bench as bench_lib
 
     overrides = {
-        "model": model, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
+        "model": model, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "device": device,
+        "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
         "kvcache_block_size": kvcache_block_size, "num_kvcache_blocks": num_kvcache_blocks,
         "cpu_kvcache_space_gib": cpu_kvcache_space_gib, "gpu_memory_utilization": gpu_memory_utilization,

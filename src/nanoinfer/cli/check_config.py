@@ -48,6 +48,10 @@ NumKvcacheBlocksFlag = Annotated[
 ]
 DeviceFlag = Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda.")]
 DtypeFlag = Annotated[str | None, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16.")]
+KvCacheDtypeFlag = Annotated[
+    str | None,
+    typer.Option("--kv-cache-dtype", help="auto (the model's dtype) | float32 | bfloat16 | float16: the KV cache's."),
+]
 AttentionBackendFlag = Annotated[
     str | None, typer.Option("--attention-backend", help="auto | torch | triton | flash-attn.")
 ]
@@ -91,6 +95,7 @@ def check_config(
     num_kvcache_blocks: NumKvcacheBlocksFlag = None,
     device: DeviceFlag = None,
     dtype: DtypeFlag = None,
+    kv_cache_dtype: KvCacheDtypeFlag = None,
     attention_backend: AttentionBackendFlag = None,
     seed: SeedFlag = None,
     cpu_kvcache_space_gib: CpuKvcacheSpaceGibFlag = None,
@@ -118,6 +123,7 @@ def check_config(
         "num_kvcache_blocks": num_kvcache_blocks,
         "device": device,
         "dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "attention_backend": attention_backend,
         "seed": seed,
         "cpu_kvcache_space_gib": cpu_kvcache_space_gib,

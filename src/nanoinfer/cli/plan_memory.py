@@ -22,6 +22,7 @@ from nanoinfer.cli.check_config import (
     DtypeFlag,
     GpuMemoryUtilizationFlag,
     KvcacheBlockSizeFlag,
+    KvCacheDtypeFlag,
     MaxModelLenFlag,
     MaxNumBatchedTokensFlag,
     MaxNumSeqsFlag,
@@ -35,8 +36,8 @@ from nanoinfer.errors import ConfigError, ConfigProblem, ModelLoadError, NanoInf
 EXIT_DOES_NOT_FIT = 3
 # Config fields plan-memory reads, from flags or the YAML file; defaults are Config's.
 _FIELDS = (
-    "model", "tensor_parallel_size", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "gpu_memory_utilization", "kvcache_block_size", "num_kvcache_blocks",
+    "model", "tensor_parallel_size", "dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size", "num_kvcache_blocks",
 )  # fmt: skip
 
 
@@ -52,6 +53,7 @@ def plan_memory(
         int | None, typer.Option("--tp", "--tensor-parallel-size", help="Ranks (GPUs) to shard over, 1..8.")
     ] = None,
     dtype: DtypeFlag = None,
+    kv_cache_dtype: KvCacheDtypeFlag = None,
     max_model_len: MaxModelLenFlag = None,
     max_num_seqs: MaxNumSeqsFlag = None,
     max_num_batched_tokens: MaxNumBatchedTokensFlag = None,
@@ -72,7 +74,8 @@ def plan_memory(
     Exit codes: 0 fits; 2 bad input (unknown GPU, bad size, bad config); 3 does not fit (the engine would refuse).
     """
     flags = {
-        "model": model, "tensor_parallel_size": tp, "dtype": dtype, "max_model_len": max_model_len,
+        "model": model, "tensor_parallel_size": tp, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
+        "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "gpu_memory_utilization": gpu_memory_utilization, "kvcache_block_size": kvcache_block_size,
         "num_kvcache_blocks": num_kvcache_blocks,
@@ -108,6 +111,8 @@ def _settings(flags: dict, config_path: Path | None) -> dict:
     if values["dtype"] == "auto":
         values["dtype"] = "bfloat16"
         notes.append("dtype auto = bfloat16 (as on CUDA)")
+    if values["kv_cache_dtype"] == "auto":
+        values["kv_cache_dtype"] = values["dtype"]
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if isinstance(max_pos, int) and values["max_model_len"] > max_pos:
         notes.append(
@@ -147,6 +152,11 @@ def _check(values: dict, hf_config) -> None:
         "dtype",
         values["dtype"] in ("float32", "bfloat16", "float16"),
         "must be bfloat16, float16 or float32.",
+    )
+    need(
+        "kv_cache_dtype",
+        values["kv_cache_dtype"] in ("float32", "bfloat16", "float16"),
+        "must be auto (the model's dtype), bfloat16, float16 or float32.",
     )
     for field in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         need(field, values[field] >= 1, "must be a positive integer.")
@@ -199,7 +209,7 @@ def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks
         "activation_bytes": memory.estimate_activation_bytes(
             hf_config, s["max_num_batched_tokens"], s["max_num_seqs"], dtype, tp
         ),
-        "block_bytes": memory.kv_block_bytes(hf_config, s["kvcache_block_size"], tp, dtype),
+        "block_bytes": memory.kv_block_bytes(hf_config, s["kvcache_block_size"], tp, s["kv_cache_dtype"]),
     }
     try:
         plan = memory.plan_kv_cache(
@@ -254,6 +264,7 @@ def build_report(s: dict, device: dict) -> dict:
         "gpu_memory_utilization": s["gpu_memory_utilization"],
         "tensor_parallel_size": tp,
         "dtype": s["dtype"],
+        "kv_cache_dtype": s["kv_cache_dtype"],
         "max_model_len": max_model_len,
         "max_num_seqs": s["max_num_seqs"],
         "max_num_batched_tokens": s["max_num_batched_tokens"],
@@ -291,7 +302,8 @@ def _render(r: dict) -> None:
         ("device memory", f"{size(r['total_bytes'])} ({r['total_bytes']:,} B)"),
         ("x gpu_memory_utilization", f"{r['gpu_memory_utilization']}"),
         ("used by others", size(r["other_bytes"])),
-        ("tensor_parallel_size / dtype", f"{r['tensor_parallel_size']} / {r['dtype']}"),
+        ("tensor_parallel_size / dtype / KV cache",
+         f"{r['tensor_parallel_size']} / {r['dtype']} / {r['kv_cache_dtype']}"),
         ("weights (per rank)", f"{size(r['weights_bytes'])} ({r['weights_bytes']:,} B)"),
         ("activation peak (estimate)", f"{size(r['activation_bytes'])} ({r['activation_bytes']:,} B)"),
         ("KV budget", f"{size(r['kv_budget_bytes'])} ({r['kv_budget_bytes']:,} B)"),

@@ -8,7 +8,11 @@
 // SmolLM2's 9/3 heads, one thread: 30 ms per layer for the first version (one KV head per work item, plain
 // loops), 6 ms for this one (whole cache rows per token, AVX2 dot products, exponentials and value sums).
 // Other CPUs take the portable scalar path, with the same results up to float32 rounding.
+// The cache may be bfloat16 under float32 queries (kv_cache_dtype): each element is widened in registers,
+// and the whole-row reads move half the bytes.
 #include "simd.h"
+
+#include <type_traits>
 
 #ifdef NANOINFER_AVX2
 // One sequence, KV heads [h0, h1): qf [Hq, D] pre-scaled queries; scores [Hq, len] scratch; acc [Hq, D] out.
@@ -107,8 +111,10 @@ static void attend_scalar(const float* qf, const T* k, const T* v, const int* ta
   }
 }
 
-template <typename T>
-static void decode_impl(const T* q, const T* k, const T* v, const int* tables, const int* lens, T* out,
+// TQ: the queries' and output's type (the model's dtype); TC: the cache's (kv_cache_dtype), e.g. a float32
+// model over a bfloat16 cache, which halves the bytes this kernel reads.
+template <typename TQ, typename TC>
+static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables, const int* lens, TQ* out,
                         int B, int Hq, int Hkv, int D, int bs, int max_blocks, float scale) {
   const int G = Hq / Hkv;
 #ifdef NANOINFER_AVX2
@@ -139,7 +145,7 @@ static void decode_impl(const T* q, const T* k, const T* v, const int* tables, c
 #endif
           attend_scalar(qf.data(), k, v, table, len, G, D, bs, Hkv, h0, h1, scores.data(), acc.data());
         for (int qh = h0 * G; qh < h1 * G; ++qh)
-          for (int d = 0; d < D; ++d) out[((size_t)b * Hq + qh) * D + d] = static_cast<T>(acc[qh * D + d]);
+          for (int d = 0; d < D; ++d) out[((size_t)b * Hq + qh) * D + d] = static_cast<TQ>(acc[qh * D + d]);
       }
     }
   }
@@ -153,44 +159,83 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int bs = k_cache.size(1), Hkv = k_cache.size(2);
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  if (q.scalar_type() == at::kFloat) {
-    decode_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-      tables.data_ptr<int>(), lens.data_ptr<int>(), out.data_ptr<float>(), B, Hq, Hkv, D, bs, tables.size(1), (float)scale);
-  } else {
-    decode_impl<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-      tables.data_ptr<int>(), lens.data_ptr<int>(), out.data_ptr<at::BFloat16>(), B, Hq, Hkv, D, bs, tables.size(1), (float)scale);
-  }
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "paged_decode: float32 or bfloat16 queries");
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16, "paged_decode: float32 or bfloat16 cache");
+  TORCH_CHECK(v_cache.scalar_type() == ct, "paged_decode: key and value caches of one dtype");
+  const int mb = tables.size(1);
+  const int* tp = tables.data_ptr<int>();
+  const int* lp = lens.data_ptr<int>();
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    decode_impl(qp, kp, vp, tp, lp, op, B, Hq, Hkv, D, bs, mb, (float)scale);
+  };
+  if (qt == at::kFloat && ct == at::kFloat)
+    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
+  else if (qt == at::kFloat)
+    run(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), out.data_ptr<float>());
+  else if (ct == at::kFloat)
+    run(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<at::BFloat16>());
+  else
+    run(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+        out.data_ptr<at::BFloat16>());
   return out;
+}
+
+// One row of n elements into the cache's dtype: a memcpy when the types match, else a rounding conversion
+// (float32 -> bfloat16 rounds to nearest even, as torch's .to() does).
+template <typename TS, typename TC>
+static inline void store_row(const TS* src, TC* dst, int64_t n) {
+  if constexpr (std::is_same_v<TS, TC>) {
+    std::memcpy(dst, src, n * sizeof(TC));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<TC>(to_f(src[i]));
+  }
+}
+
+template <typename TS, typename TC>
+static void store_impl(const TS* kp, const TS* vp, int64_t k_stride, int64_t v_stride, TC* kc, TC* vc,
+                       const int64_t* slots, int64_t T, int64_t row, int64_t num_slots) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "store_kvcache: slot ", slot, " outside the cache (", num_slots, " slots)");
+    store_row(kp + t * k_stride, kc + slot * row, row);
+    store_row(vp + t * v_stride, vc + slot * row, row);
+  }
 }
 
 // Writes this step's keys and values into their cache slots (slot -1: padding, skipped). key/value
 // [T, H_kv, D] may be views of the fused qkv output (any row stride, each row's H_kv * D contiguous); the
-// caches are contiguous. One memcpy per row: for a decode step's few dozen rows, index_copy_'s dispatch
-// and the -1 filter cost more than the copy.
+// caches are contiguous, in the model's dtype or in kv_cache_dtype (float32 / bfloat16 either way). One
+// memcpy (or one converting pass) per row: for a decode step's few dozen rows, index_copy_'s dispatch and
+// the -1 filter cost more than the copy.
 void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(1) == key.size(2), "store_kvcache: key rows");
   TORCH_CHECK(value.dim() == 3 && value.stride(2) == 1 && value.stride(1) == value.size(2), "store_kvcache: value rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kvcache: contiguous caches");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              "store_kvcache: key/value dtype differs from the cache");
+  const auto st = key.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK(value.scalar_type() == st && v_cache.scalar_type() == ct, "store_kvcache: one dtype for K and V");
+  TORCH_CHECK((st == at::kFloat || st == at::kBFloat16) && (ct == at::kFloat || ct == at::kBFloat16),
+              "store_kvcache: float32 or bfloat16 keys and cache");
   const auto slots = slot_mapping.contiguous();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == key.size(0), "store_kvcache: int64 slots");
   const int64_t T = key.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
-  const size_t row_bytes = (size_t)key.size(1) * key.size(2) * key.element_size();
-  TORCH_CHECK(row_bytes == (size_t)k_cache.size(2) * k_cache.size(3) * k_cache.element_size(),
-              "store_kvcache: row size differs from the cache's");
+  const int64_t row = key.size(1) * key.size(2);
+  TORCH_CHECK(row == k_cache.size(2) * k_cache.size(3), "store_kvcache: row size differs from the cache's");
   const int64_t* s = slots.data_ptr<int64_t>();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const auto* kp = static_cast<const char*>(key.data_ptr());
-  const auto* vp = static_cast<const char*>(value.data_ptr());
-  const size_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = s[t];
-    if (slot < 0) continue;
-    TORCH_CHECK(slot < num_slots, "store_kvcache: slot ", slot, " outside the cache (", num_slots, " slots)");
-    std::memcpy(kc + slot * row_bytes, kp + t * k_stride, row_bytes);
-    std::memcpy(vc + slot * row_bytes, vp + t * v_stride, row_bytes);
-  }
+  auto run = [&](auto* kp, auto* vp, auto* kc, auto* vc) {
+    store_impl(kp, vp, key.stride(0), value.stride(0), kc, vc, s, T, row, num_slots);
+  };
+  if (st == at::kFloat && ct == at::kFloat)
+    run(key.data_ptr<float>(), value.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else if (st == at::kFloat)
+    run(key.data_ptr<float>(), value.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+        v_cache.data_ptr<at::BFloat16>());
+  else if (ct == at::kFloat)
+    run(key.data_ptr<at::BFloat16>(), value.data_ptr<at::BFloat16>(), k_cache.data_ptr<float>(),
+        v_cache.data_ptr<float>());
+  else
+    run(key.data_ptr<at::BFloat16>(), value.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+        v_cache.data_ptr<at::BFloat16>());
 }

@@ -14,7 +14,7 @@ from nanoinfer import memory
 from nanoinfer.config import Config
 from nanoinfer.distributed.executor import TensorParallelExecutor
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.model_runner import DTYPES, ModelRunner
+from nanoinfer.engine.model_runner import ModelRunner, kv_cache_dtype_of
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Request, Sequence
 
@@ -34,7 +34,7 @@ class LLMEngine:
         self.config = config
         _set_threads(config)
         block_bytes = memory.kv_block_bytes(
-            config.hf_config, config.kvcache_block_size, config.tensor_parallel_size, DTYPES[config.dtype]
+            config.hf_config, config.kvcache_block_size, config.tensor_parallel_size, kv_cache_dtype_of(config)
         )
         if config.device == "cpu":
             self.plan = memory.plan_cpu_kv_cache(config, block_bytes)

@@ -23,12 +23,18 @@ from nanoinfer.model.sampler import Sampler
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def kv_cache_dtype_of(config) -> torch.dtype:
+    """The KV cache's torch dtype: kv_cache_dtype, or the model's dtype where it is (still) auto."""
+    return DTYPES[config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype]
+
+
 class ModelRunner:
     def __init__(self, config, num_blocks: int):
         self.config = config
         hf_config = config.hf_config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.kv_cache_dtype = kv_cache_dtype_of(config)
         self.block_size = config.kvcache_block_size
         self.backend = get_backend(config.attention_backend)
         with torch.device("cpu"):
@@ -78,7 +84,7 @@ class ModelRunner:
         # slots below a sequence's length, which were written first.
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         self.kv_caches = [
-            tuple(alloc(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            tuple(alloc(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(2))
             for _ in range(self.config.hf_config.num_hidden_layers)
         ]
 

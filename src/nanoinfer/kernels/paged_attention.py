@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 _LOG2_E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE_N = 64  # keys per inner tile; must divide the block size, so a tile never crosses a block
 _MIN_PARTITION_TILES = 4  # a decode split covers at least 4 tiles (256 keys): below that the merge costs more
 
@@ -32,6 +33,7 @@ def _attend_kv_range(
     kv_start, kv_end,  # key positions [kv_start, kv_end); kv_start is a multiple of TILE_N
     block_size, qk_scale,  # qk_scale = softmax scale * log2(e)
     HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MIXED: tl.constexpr,  # the cache's dtype differs from the query's (kv_cache_dtype)
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -48,6 +50,9 @@ def _attend_kv_range(
         if UPCAST:  # the Triton interpreter cannot multiply bfloat16; same values, float32 arithmetic
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        if MIXED:  # e.g. a float32 model over a bfloat16 cache: widen the keys, compute in the query's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N]
         visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -55,10 +60,13 @@ def _attend_kv_range(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        # Round p to the cache dtype for the tensor-core dot, as flash-attention does.
-        p = p.to(k_cache_ptr.dtype.element_ty)
-        if UPCAST:
-            p = p.to(tl.float32)
+        if MIXED:
+            p = p.to(v.dtype)
+        else:
+            # Round p to the cache dtype for the tensor-core dot, as flash-attention does.
+            p = p.to(k_cache_ptr.dtype.element_ty)
+            if UPCAST:
+                p = p.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -72,7 +80,7 @@ def _paged_decode_kernel(
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     num_queries_per_kv, block_size, partition_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, TILE_N: tl.constexpr,
-    IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,7 +108,7 @@ def _paged_decode_kernel(
     acc, m_i, l_i = _attend_kv_range(
         q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table_seq,
         kv_head, stride_cache_block, stride_cache_token, stride_cache_head, kv_start, kv_end, block_size, qk_scale,
-        HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION,
+        HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION, MIXED,
     )
     # l_i is 0 only for an empty context (a padded batch slot): write zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -153,7 +161,7 @@ def _paged_prefill_kernel(
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     num_queries_per_kv, tokens_per_tile, block_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -183,7 +191,7 @@ def _paged_prefill_kernel(
     acc, m_i, l_i = _attend_kv_range(
         q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table_seq,
         kv_head, stride_cache_block, stride_cache_token, stride_cache_head, 0, num_cached + tile_last + 1,
-        block_size, qk_scale, HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION,
+        block_size, qk_scale, HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION, MIXED,
     )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offs = (q_begin + token).to(tl.int64)[:, None] * stride_out_token + head[:, None] * stride_out_head
@@ -237,7 +245,8 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         group, block_size, partition_size, scale * _LOG2_E,
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), TILE_N=tile_n,
-        IS_SPLIT=is_split, UPCAST=_needs_upcast(query), DOT_PRECISION=_dot_precision(query),
+        IS_SPLIT=is_split, UPCAST=_needs_upcast(query, k_cache), DOT_PRECISION=_dot_precision(query),
+        MIXED=query.dtype != k_cache.dtype,
     )
     if is_split:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -290,8 +299,8 @@ def paged_prefill_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         group, tokens_per_tile, block_size, scale * _LOG2_E,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, TILE_N=_tile_size(block_size), UPCAST=_needs_upcast(query),
-        DOT_PRECISION=_dot_precision(query),
+        HEAD_DIM=head_dim, BLOCK_M=block_m, TILE_N=_tile_size(block_size), UPCAST=_needs_upcast(query, k_cache),
+        DOT_PRECISION=_dot_precision(query), MIXED=query.dtype != k_cache.dtype,
     )
     return out
 
@@ -323,9 +332,9 @@ def _check_common(
         f"k/v cache strides {k_cache.stride()}, {v_cache.stride()}: must match, last dim contiguous", caller,
     )
     _require(
-        query.dtype == k_cache.dtype == v_cache.dtype and query.dtype in (torch.float32, torch.float16, torch.bfloat16),
-        f"query/k_cache/v_cache dtypes {query.dtype}/{k_cache.dtype}/{v_cache.dtype}: must be one of "
-        "float32, float16, bfloat16 and equal", caller,
+        query.dtype in _DTYPES and k_cache.dtype in _DTYPES and v_cache.dtype == k_cache.dtype,
+        f"query/k_cache/v_cache dtypes {query.dtype}/{k_cache.dtype}/{v_cache.dtype}: each must be one of "
+        "float32, float16, bfloat16, the two caches alike (the query's may differ: kv_cache_dtype)", caller,
     )
     _require(
         block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
@@ -361,9 +370,10 @@ def _dot_precision(query: torch.Tensor) -> str:
     return "ieee" if query.dtype == torch.float32 else "tf32"
 
 
-def _needs_upcast(query: torch.Tensor) -> bool:
+def _needs_upcast(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     # The interpreter stores bfloat16 as raw uint16 bits, so tl.dot on it is garbage; compiled code is fine.
-    return query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    bf16 = torch.bfloat16 in (query.dtype, k_cache.dtype)
+    return bf16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _require(condition: bool, message: str, caller: str) -> None:

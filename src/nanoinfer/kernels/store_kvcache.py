@@ -29,8 +29,9 @@ def _store_kvcache_kernel(
     mask = offs < NUM_ELEMS
     key = tl.load(key_ptr + token * stride_key_token + offs, mask=mask)
     value = tl.load(value_ptr + token * stride_value_token + offs, mask=mask)
-    tl.store(k_cache_ptr + slot * NUM_ELEMS + offs, key, mask=mask)
-    tl.store(v_cache_ptr + slot * NUM_ELEMS + offs, value, mask=mask)
+    # Into the cache's dtype (kv_cache_dtype may be narrower than the model's): rounded once, here.
+    tl.store(k_cache_ptr + slot * NUM_ELEMS + offs, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * NUM_ELEMS + offs, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache(
@@ -54,8 +55,15 @@ def store_kvcache(
             t.stride(2) == 1 and t.stride(1) == head_dim,
             f"{name} strides {t.stride()}: each token's [H_kv, D] must be contiguous",
         )
-        _require(t.dtype == k_cache.dtype, f"{name} dtype {t.dtype} != cache dtype {k_cache.dtype}")
-    _require(v_cache.dtype == k_cache.dtype, f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    _require(
+        key.dtype == value.dtype and key.dtype in floats,
+        f"key/value dtypes {key.dtype}/{value.dtype} must be one float dtype",
+    )
+    _require(
+        v_cache.dtype == k_cache.dtype and k_cache.dtype in floats,
+        f"k_cache/v_cache dtypes {k_cache.dtype}/{v_cache.dtype} must be one float dtype (keys are converted to it)",
+    )
     _require(
         slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64),
         f"slot_mapping must be int32/int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}",
