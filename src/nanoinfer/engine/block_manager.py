@@ -87,6 +87,8 @@ class BlockManager:
         All or nothing: on False nothing changed."""
         num_tokens = seq.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
         num_new_blocks = self.num_blocks_for(num_tokens) - len(seq.block_table) - len(computed_block_ids)
+        if num_new_blocks <= 0 and not computed_block_ids:
+            return True  # most decode steps: the last block still has room
         # Hit blocks nobody holds sit in the free list: taking them uses up free capacity too.
         num_revived = sum(1 for b in computed_block_ids if self.blocks[b].ref_count == 0)
         if num_new_blocks + num_revived > self.num_free_blocks:
@@ -115,7 +117,10 @@ class BlockManager:
         """Register the sequence's newly completed (computed and full) blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return  # most steps: no block filled up
+        num_full = min(num_full, len(seq.block_table))
         for j in range(seq.num_hashed_blocks, num_full):
             parent = self.blocks[seq.block_table[j - 1]].block_hash if j > 0 else None
             chunk = tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])

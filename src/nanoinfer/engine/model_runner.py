@@ -141,28 +141,38 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_indices: list[int] = []
         sample_seqs: list[Sequence] = []
+        tables: list[list[int]] = []
         bs = self.block_size
         max_blocks = 0
+        # Host work is paid on every step, before the GPU gets anything to do: plain list appends, a decode
+        # row without the block loop, one tensor per field (the block tables were one tensor per sequence).
         for seq, num_new in out.scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
             table = seq.block_table
-            for block_index in range(start // bs, (end - 1) // bs + 1):
-                block_start = block_index * bs
-                lo, hi = max(start, block_start), min(end, block_start + bs)
-                base = table[block_index] * bs - block_start
-                slot_mapping += range(base + lo, base + hi)
+            if num_new == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += seq.token_ids[start:end]
+                positions += range(start, end)
+                for block_index in range(start // bs, (end - 1) // bs + 1):
+                    block_start = block_index * bs
+                    lo, hi = max(start, block_start), min(end, block_start + bs)
+                    base = table[block_index] * bs - block_start
+                    slot_mapping += range(base + lo, base + hi)
             query_lens.append(num_new)
             seq_lens.append(end)
-            max_blocks = max(max_blocks, len(table))
+            tables.append(table)
+            if len(table) > max_blocks:
+                max_blocks = len(table)
             if end == seq.num_tokens:
                 sample_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        block_tables = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
-        for i, (seq, _) in enumerate(out.scheduled):
-            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        padding = [0] * max_blocks
+        block_tables = torch.tensor([t + padding[len(t) :] for t in tables], dtype=torch.int32)
+        block_tables = block_tables.view(len(tables), max_blocks)  # [n, 0] when no sequence has a block yet
         query_start_loc = [0]
         for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)

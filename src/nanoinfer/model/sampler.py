@@ -11,6 +11,7 @@ import torch
 
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.engine.sequence import Logprob, Sequence
+from nanoinfer.sampling_params import SamplingParams
 
 
 class Sampler:
@@ -27,20 +28,20 @@ class Sampler:
         """logits [num_seqs, vocab] float32 -> one token id per sequence."""
         logits = logits.float()
         raw_logits = logits
-        penalised = [i for i, s in enumerate(seqs) if _has_penalties(s)]
+        params = [s.request.sampling_params for s in seqs]  # once: this runs for every row of every step
+        penalised = [i for i, p in enumerate(params) if _has_penalties(p)]
         if penalised:
             logits = logits.clone()
             for i in penalised:
                 logits[i] = _apply_penalties(logits[i], seqs[i])
-        greedy = [s.params.temperature == 0 or s.params.top_k == 1 for s in seqs]
         token_ids = _argmax(logits)
-        random_rows = [i for i, g in enumerate(greedy) if not g]
+        random_rows = [i for i, p in enumerate(params) if p.temperature != 0 and p.top_k != 1]
         if random_rows:
             token_ids[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
         result = token_ids.tolist()
-        for i, seq in enumerate(seqs):
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(_logprob(raw_logits[i], result[i], seq.params.logprobs))
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                seqs[i].logprobs.append(_logprob(raw_logits[i], result[i], p.logprobs))
         return result
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -79,8 +80,7 @@ class Sampler:
         return out
 
 
-def _has_penalties(seq: Sequence) -> bool:
-    p = seq.params
+def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
