@@ -6,6 +6,9 @@ rope initialisers) so greedy output matches token for token in float32.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +23,22 @@ def _fused_ops(x: torch.Tensor):
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     return cpu_ops()
+
+
+def _triton_ops(x: torch.Tensor):
+    """The Triton small-op kernels (kernels/fused_ops.py) for 16-bit x on CUDA, else None. float32 keeps torch's
+    ops, whose exact roundings the float32 comparison with transformers relies on."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or not _TRITON_SMALL_OPS:
+        return None
+    from nanoinfer.kernels import fused_ops
+
+    return fused_ops
+
+
+# NANOINFER_TORCH_SMALL_OPS=1 runs RMSNorm, rotary and SiLU-and-mul through torch on CUDA too (to compare).
+_TRITON_SMALL_OPS = (
+    os.environ.get("NANOINFER_TORCH_SMALL_OPS") != "1" and importlib.util.find_spec("triton") is not None
+)
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +59,10 @@ class RMSNorm(nn.Module):
             if x.is_contiguous() and residual.is_contiguous():
                 ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
                 return x, residual
+        triton_ops = _triton_ops(x)
+        if triton_ops is not None and x.stride(-1) == 1 and self.weight.dtype == x.dtype:
+            if residual is None or (x.dim() == 2 and residual.stride(-1) == 1):
+                return triton_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -54,6 +77,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     ops = _fused_ops(x)
     if ops is not None and x.dim() == 2 and x.is_contiguous():
         return ops.silu_and_mul(x)
+    triton_ops = _triton_ops(x)
+    if triton_ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+        return triton_ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -81,6 +107,9 @@ class RotaryEmbedding(nn.Module):
         if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and self.cos.device == q.device:
             ops.rotary_embedding(positions, q, k, self.cos, self.sin)
             return q, k
+        triton_ops = _triton_ops(q)
+        if triton_ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and self.cos.device == q.device:
+            return triton_ops.rotary_embedding(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
