@@ -136,3 +136,18 @@ def test_the_model_runs_its_small_ops_through_the_kernels_where_they_apply(tmp_p
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert first_a.token_id == first_b.token_id  # the first token: same greedy choice ...
         assert abs(first_a.logprob - first_b.logprob) < 0.05  # ... with nearly the same probability
+
+
+def test_the_start_up_check_runs_every_kernel_and_reports_a_failure_in_one_line(device, monkeypatch):
+    """enable_triton_small_ops compiles and runs each kernel once before the engine relies on them; a failure
+    (a Triton or driver this code was not tried with) keeps torch's ops instead of stopping the engine."""
+    from nanoinfer.model import layers
+
+    assert layers.check_small_ops(device, torch.bfloat16) is None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed\nlong compiler log")
+
+    monkeypatch.setattr(fused_ops, "rotary_embedding", broken)
+    assert layers.check_small_ops(device, torch.bfloat16) == "RuntimeError: PassManager::run failed"
+    assert layers.enable_triton_small_ops(torch.device("cpu"), torch.bfloat16) is False  # CPU: never used

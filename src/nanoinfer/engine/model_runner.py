@@ -17,6 +17,7 @@ from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.model.cpu_gemm import prepack_linear_weights
 from nanoinfer.model.decoder import CausalLM, head_dim_of
+from nanoinfer.model.layers import enable_triton_small_ops
 from nanoinfer.model.loader import load_weights
 from nanoinfer.model.sampler import Sampler
 
@@ -47,6 +48,7 @@ class ModelRunner:
             # than inside the first step where it would count as generation time; the packing needs them.
             cpu_ops()
             self.num_packed_weights = prepack_linear_weights(self.model)
+        self.triton_small_ops = enable_triton_small_ops(self.device, self.dtype)  # compiled once, before warm-up
         self.sampler = Sampler(config.seed)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(hf_config)

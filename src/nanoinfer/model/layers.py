@@ -7,6 +7,7 @@ rope initialisers) so greedy output matches token for token in float32.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from nanoinfer.model.cpu_gemm import PackedWeight, linear
+
+logger = logging.getLogger("nanoinfer")
 
 
 def _fused_ops(x: torch.Tensor):
@@ -39,6 +42,40 @@ def _triton_ops(x: torch.Tensor):
 _TRITON_SMALL_OPS = (
     os.environ.get("NANOINFER_TORCH_SMALL_OPS") != "1" and importlib.util.find_spec("triton") is not None
 )
+
+
+def enable_triton_small_ops(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the model's small ops run through the Triton kernels on this device and dtype. The first time on
+    CUDA, each kernel is compiled and run once on a tiny input; if that fails (a Triton or driver this code
+    was not tried with), torch's ops stay in use for the whole process, with one warning, instead of the
+    engine failing to start."""
+    global _TRITON_SMALL_OPS
+    if not _TRITON_SMALL_OPS or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    problem = check_small_ops(device, dtype)
+    if problem is not None:
+        _TRITON_SMALL_OPS = False
+        logger.warning("Triton small-op kernels unavailable (%s); using torch's ops.", problem)
+    return problem is None
+
+
+def check_small_ops(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Run each small-op kernel once on a tiny input: None when all ran, else the first error, in one line."""
+    try:
+        from nanoinfer.kernels import fused_ops
+
+        x = torch.randn(2, 3, 64, device=device).to(dtype)
+        weight = torch.ones(64, device=device, dtype=dtype)
+        table = torch.ones(4, 64, device=device)
+        fused_ops.rms_norm(x, weight, 1e-6)
+        fused_ops.rms_norm(x[:, 0], weight, 1e-6, x[:, 1].contiguous())
+        fused_ops.silu_and_mul(x[:, 0])
+        fused_ops.rotary_embedding(torch.zeros(2, dtype=torch.long, device=device), x, x[:, :1], table, table)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # any failure means: do not use them; the message says why
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
 
 
 class RMSNorm(nn.Module):
