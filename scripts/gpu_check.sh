@@ -22,6 +22,9 @@
 #   GPU_CHECK_BENCH     auto (default) | full | small | off. auto runs the full workload when at least
 #                       BENCH_FULL_MIN_S (240 s) are left, else the small one (64 requests, 100-512 in/out),
 #                       which needs BENCH_SMALL_MIN_S (90 s); with less left the bench is skipped (a failure).
+#   GPU_CHECK_SMALL_OPS_AB  auto (default) | off. auto: after a passing bench, the same workload once more with
+#                       NANOINFER_TORCH_SMALL_OPS=1 (torch's small ops instead of the Triton ones; nanoinfer only,
+#                       no HF), so the table gives their speed-up from one call; AB_RESERVE_S (75 s) is kept for it.
 #   GPU_CHECK_TESTS     the test paths pytest runs (default: "tests/gpu tests/kernels"), e.g. tests/gpu alone for
 #                       a rerun after the kernel tests passed, leaving the full bench more time
 # shellcheck disable=SC2329  # the step_* functions run through `timeout ... bash -c`
@@ -36,13 +39,15 @@ BENCH_MODE=${GPU_CHECK_BENCH:-auto}
 TESTS=${GPU_CHECK_TESTS:-tests/gpu tests/kernels}
 BENCH_FULL_MIN_S=240
 BENCH_SMALL_MIN_S=90
+SMALL_OPS_AB=${GPU_CHECK_SMALL_OPS_AB:-auto}
+AB_RESERVE_S=75
 SMALL_BENCH=(--num-requests 64 --input-len 100 512 --output-len 100 512)
 mkdir -p "$LOG_DIR" || exit 2
 LOG_DIR=$(cd "$LOG_DIR" && pwd)
 STEPS="$LOG_DIR/steps.tsv"
 # Files of an earlier run would pass for this run's results in the table.
 rm -f "$LOG_DIR"/{steps.tsv,meta.txt,summary.txt,nvidia-smi.csv,imports.json,pytest.xml,plan-memory.json,bench.json}
-rm -f "$LOG_DIR"/{nvidia-smi,imports,pytest,plan-memory,bench}.log
+rm -f "$LOG_DIR"/{nvidia-smi,imports,pytest,plan-memory,bench,small-ops-ab}.log "$LOG_DIR"/bench-torch-small-ops.json
 printf 'step\tstatus\trc\tseconds\tlog\tnote\n' >"$STEPS"
 
 export ROOT LOG_DIR PY TESTS
@@ -196,6 +201,11 @@ step_plan_memory() {
     "$PY" -m nanoinfer plan-memory --model configs/models/qwen3-0.6b --json >"$LOG_DIR/plan-memory.json"
 }
 
+step_small_ops_ab() { # the bench's workload flags
+    NANOINFER_TORCH_SMALL_OPS=1 "$PY" -m nanoinfer bench --model configs/models/qwen3-0.6b \
+        --output-json "$LOG_DIR/bench-torch-small-ops.json" "$@"
+}
+
 step_bench() { # extra flags for the workload
     # The model is the CUDA default, named so that nothing can fall back to a download.
     "$PY" -m nanoinfer bench --model configs/models/qwen3-0.6b --compare hf --output-json "$LOG_DIR/bench.json" "$@"
@@ -203,14 +213,15 @@ step_bench() { # extra flags for the workload
 
 # shellcheck disable=SC2090
 export IMPORT_CHECK
-export -f step_nvidia_smi step_imports step_pytest step_plan_memory step_bench
+export -f step_nvidia_smi step_imports step_pytest step_plan_memory step_bench step_small_ops_ab
 
 run_step nvidia-smi 30 "$LOG_DIR/nvidia-smi.log" "" bash -c step_nvidia_smi
 if run_step imports 120 "$LOG_DIR/imports.log" "" bash -c step_imports; then
     # Reserve plan-memory's cap and the small bench's time, so a slow test run cannot crowd out the bench.
     run_step pytest "$(limit 210 $((60 + BENCH_SMALL_MIN_S)))" "$LOG_DIR/pytest.log" "" bash -c step_pytest
     run_step plan-memory "$(limit 60)" "$LOG_DIR/plan-memory.log" "" bash -c step_plan_memory
-    left=$(($(seconds_left) - 10))
+    ab_reserve=$([[ $SMALL_OPS_AB == off ]] && echo 0 || echo "$AB_RESERVE_S")
+    left=$(($(seconds_left) - 10 - ab_reserve))
     case $BENCH_MODE in
         full) bench_flags=() note="full workload" ;;
         small) bench_flags=("${SMALL_BENCH[@]}") note="small workload (GPU_CHECK_BENCH=small)" ;;
@@ -230,7 +241,11 @@ if run_step imports 120 "$LOG_DIR/imports.log" "" bash -c step_imports; then
     elif [[ $note == skip ]]; then
         skip_step bench "${left}s left, the small workload needs ${BENCH_SMALL_MIN_S}s"
     else
-        run_step bench "$left" "$LOG_DIR/bench.log" "$note" bash -c 'step_bench "$@"' _ ${bench_flags[@]+"${bench_flags[@]}"}
+        if run_step bench "$left" "$LOG_DIR/bench.log" "$note" bash -c 'step_bench "$@"' _ \
+            ${bench_flags[@]+"${bench_flags[@]}"} && [[ $SMALL_OPS_AB != off ]]; then
+            run_step small-ops-ab "$(limit 150)" "$LOG_DIR/small-ops-ab.log" "torch's small ops, same workload" \
+                bash -c 'step_small_ops_ab "$@"' _ ${bench_flags[@]+"${bench_flags[@]}"}
+        fi
     fi
 else
     for step in pytest plan-memory bench; do

@@ -5,7 +5,8 @@ Usage: python scripts/gpu_check_summary.py LOG_DIR    (exit 1 when a step failed
 
 LOG_DIR/steps.tsv (written by gpu_check.sh) has a header and one line per step:
     step  status (ok|FAIL|TIMEOUT|SKIPPED|off)  rc  seconds  log  note
-Key numbers come from nvidia-smi.csv, imports.json, pytest.xml (else pytest.log), plan-memory.json, bench.json.
+Key numbers come from nvidia-smi.csv, imports.json, pytest.xml (else pytest.log), plan-memory.json, bench.json
+and bench-torch-small-ops.json.
 """
 
 from __future__ import annotations
@@ -131,6 +132,18 @@ def key_bench(log_dir: Path) -> str:
     return text + (f", {requests} requests" if requests else "")
 
 
+def key_small_ops_ab(log_dir: Path) -> str:
+    """The bench's nanoinfer run (Triton small ops) against the same workload with torch's small ops."""
+    triton_run = _bench_runs(read_json(log_dir / "bench.json") or {}).get("nanoinfer")
+    torch_run = _bench_runs(read_json(log_dir / "bench-torch-small-ops.json") or {}).get("nanoinfer")
+    try:
+        triton_rate, torch_rate = float(triton_run["output_tok_s"]), float(torch_run["output_tok_s"])
+    except (TypeError, KeyError, ValueError):
+        return "-"
+    return (f"Triton small ops {triton_rate:,.0f} vs torch's {torch_rate:,.0f} out tok/s: "
+            f"{triton_rate / torch_rate:.2f}x")  # fmt: skip
+
+
 def planner_row(log_dir: Path) -> tuple[str, str, str, str] | None:
     """plan-memory's estimate against the blocks the bench's engine allocated (same model and defaults).
     Informational: plan-memory estimates the activation peak that the engine measures."""
@@ -164,6 +177,7 @@ KEYS = {
     "pytest": key_pytest,
     "plan-memory": key_plan_memory,
     "bench": key_bench,
+    "small-ops-ab": key_small_ops_ab,
 }
 
 

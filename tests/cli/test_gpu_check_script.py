@@ -243,3 +243,22 @@ def test_summary_counts_a_disabled_bench_as_off_not_failed(tmp_path):
     result = summarize(tmp_path)
     assert result.returncode == 0
     assert row(result.stdout, "bench").split()[1:3] == ["off", "GPU_CHECK_BENCH=off"]  # no stale numbers
+
+
+def test_summary_gives_the_small_ops_speed_up_from_the_second_bench(tmp_path):
+    """The A/B step: the bench's nanoinfer run (Triton small ops) against the same workload with torch's."""
+    write_passing_logs(tmp_path)
+    with (tmp_path / "steps.tsv").open("a") as steps:
+        steps.write("small-ops-ab\tok\t0\t60\tsmall-ops-ab.log\ttorch's small ops, same workload\n")
+    torch_ops = {"runs": [{"engine": "nanoinfer", "output_tok_s": 10000.0}]}
+    (tmp_path / "bench-torch-small-ops.json").write_text(json.dumps(torch_ops))
+    out = summarize(tmp_path).stdout
+    assert "Triton small ops 12,346 vs torch's 10,000 out tok/s: 1.23x" in row(out, "small-ops-ab")
+    (tmp_path / "bench-torch-small-ops.json").write_text("{")  # cut off mid-write: no number, no traceback
+    assert "tok/s" not in row(summarize(tmp_path).stdout, "small-ops-ab")
+
+
+def test_script_keeps_time_for_the_small_ops_ab_and_lets_it_be_turned_off():
+    text = SCRIPT.read_text()
+    assert "NANOINFER_TORCH_SMALL_OPS=1" in text and "GPU_CHECK_SMALL_OPS_AB" in text
+    assert "left=$(($(seconds_left) - 10 - ab_reserve))" in text
