@@ -191,3 +191,17 @@ def test_step_plan_is_per_step(use_kernel, monkeypatch):
     got = backend.forward(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     assert len(builds) == len(cases) + 2
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_bfloat16_queries_over_a_float32_cache_are_close_to_the_reference(use_kernel):
+    """The other mixed pairing (a bfloat16 model with kv_cache_dtype float32): the C++ kernel is instantiated
+    for it too; the output is in the queries' dtype."""
+    if use_kernel and cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [5, 300, 600], 9, 3, 64, 256, torch.float32)
+    query = query.bfloat16()
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
+    got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
