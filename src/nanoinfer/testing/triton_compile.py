@@ -1,0 +1,169 @@
+"""Compile every Triton kernel for a GPU on a machine without one, with the arguments our launchers really pass.
+
+The launchers run on CPU tensors with each kernel swapped for a recorder; every recorded launch is then
+compiled ahead of time for an NVIDIA target (sm_90 by default: H100/H200) with the ptxas that ships inside
+Triton's wheel. A kernel that would not compile on the GPU (a type clash in a branch, a float32 x bfloat16
+tl.dot, an op the backend lacks) fails here, in CI, instead of in the first session that is lent a GPU.
+The interpreter tests check what the kernels compute; this checks that the compiler takes them.
+
+Run without TRITON_INTERPRET (the interpreter replaces @triton.jit functions, which the compiler cannot take):
+
+    python -m nanoinfer.testing.triton_compile            # prints one line per launch, exit 1 on a failure
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+          torch.int64: "i64"}  # fmt: skip
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: kernel[grid](*args, **kwargs) records the launch, runs nothing."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.kernel, args, kwargs))
+
+        return launch
+
+
+def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) for triton.compile from one launch's arguments."""
+    values = dict(zip(kernel.arg_names, args)) | kwargs
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        name, value = param.name, values[param.name]
+        if param.is_constexpr:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: argument {name} of type {type(value).__name__}")
+    return signature, constexprs
+
+
+def record_launches() -> list[tuple[str, object, tuple, dict]]:
+    """Run every launcher on small CPU inputs in each dtype combination the engine uses; (case, kernel, args,
+    kwargs) for each launch."""
+    from nanoinfer.kernels import fused_ops, paged_attention
+
+    store_module = sys.modules["nanoinfer.kernels.store_kvcache"]  # the package re-exports the function
+    modules = {
+        paged_attention: ("_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel"),
+        store_module: ("_store_kvcache_kernel",),
+        fused_ops: ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"),
+    }
+    launches: list = []
+    originals = {}
+    for module, names in modules.items():
+        for name in names:
+            originals[module, name] = getattr(module, name)
+            setattr(module, name, _Recorder(getattr(module, name), launches))
+    recorded = []
+    try:
+        for case, run in _cases().items():
+            before = len(launches)
+            run()
+            recorded += [(case, *launch) for launch in launches[before:]]
+    finally:
+        for (module, name), kernel in originals.items():
+            setattr(module, name, kernel)
+    return recorded
+
+
+def _cases() -> dict[str, Callable[[], None]]:
+    from nanoinfer.kernels import fused_ops, paged_decode_attention, paged_prefill_attention, store_kvcache
+
+    def attention(dtype, cache_dtype, head_dim=128, group=2):
+        def run():
+            num_kv, block = 2, 256
+            q = torch.zeros(3, num_kv * group, head_dim, dtype=dtype)
+            cache = torch.zeros(8, block, num_kv, head_dim, dtype=cache_dtype)
+            tables = torch.zeros(3, 4, dtype=torch.int32)
+            lens = torch.tensor([1, 300, 900], dtype=torch.int32)
+            paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=1)
+            paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=4)
+            starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+            paged_prefill_attention(q, cache, cache, tables, lens, starts, 1, 0.1)
+            key = torch.zeros(3, num_kv, head_dim, dtype=dtype)
+            store_kvcache(key, key, cache, cache, torch.tensor([0, -1, 5]))
+
+        return run
+
+    def small_ops(dtype):
+        def run():
+            x = torch.zeros(4, 1024, dtype=dtype)
+            weight = torch.ones(1024, dtype=dtype)
+            fused_ops.rms_norm(x, weight, 1e-6)
+            fused_ops.rms_norm(x, weight, 1e-6, x.clone())
+            fused_ops.rms_norm(torch.zeros(4, 16, 128, dtype=dtype), torch.ones(128, dtype=dtype), 1e-6)
+            fused_ops.silu_and_mul(torch.zeros(4, 2 * 3072, dtype=dtype))
+            table = torch.zeros(64, 128)
+            qkv = torch.zeros(4, 20 * 128, dtype=dtype)
+            q, k = qkv[:, : 16 * 128].view(4, 16, 128), qkv[:, 16 * 128 : 18 * 128].view(4, 2, 128)
+            fused_ops.rotary_embedding(torch.zeros(4, dtype=torch.long), q, k, table, table)
+
+        return run
+
+    return {
+        "attention bf16": attention(torch.bfloat16, torch.bfloat16),
+        "attention fp16 head_dim 64, GQA 4": attention(torch.float16, torch.float16, head_dim=64, group=4),
+        "attention fp32": attention(torch.float32, torch.float32),
+        "attention fp32 over a bf16 cache": attention(torch.float32, torch.bfloat16),
+        "attention bf16 over an fp32 cache": attention(torch.bfloat16, torch.float32),
+        "small ops bf16": small_ops(torch.bfloat16),
+        "small ops fp16": small_ops(torch.float16),
+    }
+
+
+def compile_all(arch: int = 90) -> list[tuple[str, str, str | None]]:
+    """(case, kernel name, None or the error) for every recorded launch, compiled for sm_<arch>."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+    target = GPUTarget("cuda", arch, 32)
+    results, seen = [], set()
+    for case, kernel, args, kwargs in record_launches():
+        signature, constexprs = signature_of(kernel, args, kwargs)
+        key = (kernel.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            triton.compile(ASTSource(kernel, signature, constexprs), target=target)
+            results.append((case, kernel.fn.__name__, None))
+        except Exception as e:  # report every kernel, not only the first failure
+            results.append((case, kernel.fn.__name__, f"{type(e).__name__}: {e}"))
+    return results
+
+
+def main() -> int:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless the default is explicit
+    results = compile_all(int(sys.argv[1]) if len(sys.argv) > 1 else 90)
+    for case, name, error in results:
+        print(f"{'ok  ' if error is None else 'FAIL'} {case}: {name}" + ("" if error is None else f"\n{error}"))
+    failed = sum(error is not None for _, _, error in results)
+    print(f"{len(results) - failed} compiled, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
