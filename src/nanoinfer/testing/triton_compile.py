@@ -131,8 +131,9 @@ def _cases() -> dict[str, Callable[[], None]]:
     }
 
 
-def compile_all(arch: int = 90) -> list[tuple[str, str, str | None]]:
-    """(case, kernel name, None or the error) for every recorded launch, compiled for sm_<arch>."""
+def compile_all(arch: int = 90) -> list[tuple[str, str, str | None, str]]:
+    """(case, kernel name, None or the error, resource usage) for every recorded launch, compiled for sm_<arch>:
+    the usage line gives registers, stack and local memory (spills) and shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -148,19 +149,43 @@ def compile_all(arch: int = 90) -> list[tuple[str, str, str | None]]:
             continue
         seen.add(key)
         try:
-            triton.compile(ASTSource(kernel, signature, constexprs), target=target)
-            results.append((case, kernel.fn.__name__, None))
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target)
         except Exception as e:  # report every kernel, not only the first failure
-            results.append((case, kernel.fn.__name__, f"{type(e).__name__}: {e}"))
+            results.append((case, kernel.fn.__name__, f"{type(e).__name__}: {e}", ""))
+            continue
+        results.append((case, kernel.fn.__name__, None, _resource_usage(compiled)))
     return results
+
+
+def _resource_usage(compiled) -> str:
+    """Registers, stack (spills) and shared memory of a compiled kernel, read from its cubin with the cuobjdump
+    in Triton's wheel (no GPU to load it on); empty when that tool is missing."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.is_file():
+        return ""
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        dump = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump))
+    return (f"{usage.get('REG', '?')} registers, {usage.get('STACK', '?')} B stack, "
+            f"{usage.get('LOCAL', '?')} B local, {compiled.metadata.shared} B shared")  # fmt: skip
 
 
 def main() -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless the default is explicit
     results = compile_all(int(sys.argv[1]) if len(sys.argv) > 1 else 90)
-    for case, name, error in results:
-        print(f"{'ok  ' if error is None else 'FAIL'} {case}: {name}" + ("" if error is None else f"\n{error}"))
-    failed = sum(error is not None for _, _, error in results)
+    for case, name, error, facts in results:
+        detail = f" ({facts})" if error is None else f"\n{error}"
+        print(f"{'ok  ' if error is None else 'FAIL'} {case}: {name}{detail}")
+    failed = sum(error is not None for _, _, error, _ in results)
     print(f"{len(results) - failed} compiled, {failed} failed")
     return 1 if failed else 0
 
