@@ -28,7 +28,7 @@ class Sampler:
         """logits [num_seqs, vocab] float32 -> one token id per sequence."""
         logits = logits.float()
         raw_logits = logits
-        params = [s.request.sampling_params for s in seqs]  # once: this runs for every row of every step
+        params = [s.params for s in seqs]  # read once: this runs for every row of every step
         penalised = [i for i, p in enumerate(params) if _has_penalties(p)]
         if penalised:
             logits = logits.clone()
