@@ -14,8 +14,12 @@ Run without TRITON_INTERPRET (the interpreter replaces @triton.jit functions, wh
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -160,11 +164,6 @@ def compile_all(arch: int = 90) -> list[tuple[str, str, str | None, str]]:
 def _resource_usage(compiled) -> str:
     """Registers, stack (spills) and shared memory of a compiled kernel, read from its cubin with the cuobjdump
     in Triton's wheel (no GPU to load it on); empty when that tool is missing."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
