@@ -48,17 +48,20 @@ def test_packed_linear_takes_non_contiguous_and_3d_input_on_any_thread_count(kin
     x3 = torch.randn(2, 5, 32)
     assert linear(x3, weight, None, packed).shape == (2, 5, 40)
     torch.testing.assert_close(linear(x3, weight, None, packed), F.linear(x3, weight), rtol=1e-5, atol=1e-5)
+    # 63 panels claimed in runs by 1-3 threads, over 3 chunks of rows (the claims count on across chunks)
+    wide = torch.randn(1000, 32)
+    packed_wide = pack_weight(wide, kind)
     threads = torch.get_num_threads()
     big = torch.randn(250, 32)
     try:
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(linear(big, weight, None, packed))
+            outs.append(linear(big, wide, None, packed_wide))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(out, outs[0]) for out in outs)  # each output is one thread's sum: no split K
-    torch.testing.assert_close(outs[0], F.linear(big, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0], F.linear(big, wide), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 130])
