@@ -19,7 +19,7 @@ from nanoinfer.model.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 # Fields that are not user settings: filled in by __post_init__ (or, for eos, by the engine).
 NOT_SETTABLE = {
@@ -53,11 +53,13 @@ class Config:
         device: auto | cpu | cuda (auto: cuda when available, else cpu).
         dtype: auto | float32 | bfloat16 | float16 (auto: bfloat16 on CUDA, float16 on GPUs without
             bfloat16, float32 on CPU). float16 is refused on CPU.
-        kv_cache_dtype: auto | float32 | bfloat16 | float16: what the KV cache stores (vLLM's field). auto
-            is the model's dtype; bfloat16 under a float32 model halves the cache (twice the tokens in the
-            same memory, less to read per decode step) at the price of exact agreement with transformers.
-            Keys and values are rounded once, when stored; attention still computes in float32. float16
-            is refused on CPU; flash-attn needs it equal to dtype.
+        kv_cache_dtype: auto | float32 | bfloat16 | float16 | fp8 | fp8_e4m3 | fp8_e5m2: what the KV cache
+            stores (vLLM's field). auto is the model's dtype; bfloat16 under a float32 model halves the
+            cache (twice the tokens in the same memory, less to read per decode step) at the price of
+            exact agreement with transformers, fp8 quarters it (fp8 = fp8_e4m3; scale 1, saturating at
+            the largest finite value, as vLLM without calibrated scales). Keys and values are rounded
+            once, when stored; attention still computes in float32. float16 is refused on CPU, fp8 on
+            CUDA (for now); flash-attn needs it equal to dtype.
         attention_backend: auto | torch | triton | flash-attn. triton and flash-attn need CUDA; flash-attn
             needs the flash-attn package and float16/bfloat16. auto picks flash-attn, then triton, then torch.
         seed: global seed for sampling when a request gives none.
@@ -220,19 +222,27 @@ class Config:
         if "kv_cache_dtype" in bad:
             return []
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            fp8 = " (fp8 caches are not supported yet)" if "fp8" in str(self.kv_cache_dtype) else ""
-            rule = f"must be one of {', '.join(KV_CACHE_DTYPES)}{fp8}. Pick one of those."
-            return [ConfigProblem("kv_cache_dtype", self.kv_cache_dtype, rule)]
+            return [_choice_problem("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)]
         if not device_ok or "dtype" in bad or self.dtype not in DTYPES or self.dtype == "auto":
             return []  # the dtype's own problem is reported; auto stays until it resolves
         if self.kv_cache_dtype == "auto":
             self.kv_cache_dtype = self.dtype
             return []
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
+            self.notes.append(("kv_cache_dtype", "fp8_e4m3", "fp8 = fp8_e4m3 (as in vLLM)"))
+        if self.kv_cache_dtype.startswith("fp8") and self.device == "cuda":
+            return [
+                ConfigProblem(
+                    "kv_cache_dtype", self.kv_cache_dtype, "runs only on the CPU for now (the CUDA kernels read "
+                    "float32, bfloat16 and float16 caches). Use bfloat16 for a half-size cache, or auto.",
+                )
+            ]  # fmt: skip
         if self.kv_cache_dtype == "float16" and self.device == "cpu":
             return [
                 ConfigProblem(
-                    "kv_cache_dtype", "float16", "is not usable on the CPU (the CPU kernels read float32 and "
-                    "bfloat16 caches). Use bfloat16 for a half-size cache, or auto.",
+                    "kv_cache_dtype", "float16", "is not usable on the CPU (the CPU kernels read float32, "
+                    "bfloat16 and fp8 caches). Use bfloat16 for a half-size cache, or auto.",
                 )
             ]  # fmt: skip
         return []

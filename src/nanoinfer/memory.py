@@ -54,6 +54,7 @@ _DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4,
     "bfloat16": 2, "bf16": 2,
     "float16": 2, "fp16": 2, "half": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }  # fmt: skip
 
 

@@ -124,8 +124,8 @@ RULES = [
     ({"device": "tpu"}, "device", "tpu", "must be one of auto, cpu, cuda"),
     ({"dtype": "float64"}, "dtype", "float64", "must be one of auto, float32, bfloat16, float16"),
     ({"dtype": "float16", "device": "cpu"}, "dtype", "float16", "Use bfloat16 or float32"),
-    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype", "int8", "must be one of auto, float32, bfloat16, float16."),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype", "fp8", "(fp8 caches are not supported yet)"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype", "int8", "must be one of auto, float32, bfloat16, float16, fp8,"),
+    ({"kv_cache_dtype": "fp8_e4m3fnuz"}, "kv_cache_dtype", "fp8_e4m3fnuz", "fp8, fp8_e4m3, fp8_e5m2. Pick one"),
     ({"kv_cache_dtype": "float16"}, "kv_cache_dtype", "float16", "Use bfloat16 for a half-size cache, or auto"),
     ({"attention_backend": "xformers"}, "attention_backend", "xformers", "auto, torch, triton, flash-attn"),
     ({"attention_backend": "triton", "device": "cpu"}, "attention_backend", "triton", "runs only on CUDA"),
@@ -175,6 +175,18 @@ def test_kv_cache_dtype_auto_is_the_model_dtype_and_a_set_one_is_kept(model_dir)
     assert Config(model=model_dir, device="cpu", dtype="bfloat16").kv_cache_dtype == "bfloat16"
     assert Config(model=model_dir, device="cpu", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
     assert Config(model=model_dir, device="cpu", dtype="bfloat16", kv_cache_dtype="float32").kv_cache_dtype == "float32"
+
+
+def test_fp8_kv_cache_is_e4m3_and_runs_on_the_cpu_only(model_dir, monkeypatch):
+    config = Config(model=model_dir, device="cpu", kv_cache_dtype="fp8")
+    assert config.kv_cache_dtype == "fp8_e4m3"
+    assert ("kv_cache_dtype", "fp8_e4m3", "fp8 = fp8_e4m3 (as in vLLM)") in config.notes
+    assert Config(model=model_dir, device="cpu", kv_cache_dtype="fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the rule itself, without a GPU here
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    problem = only_problem(model=model_dir, device="cuda", dtype="float16", kv_cache_dtype="fp8")
+    assert (problem.field, problem.value) == ("kv_cache_dtype", "fp8_e4m3")
+    assert "runs only on the CPU for now" in problem.message and "Use bfloat16" in problem.message
 
 
 def test_flash_attn_refuses_a_cache_in_another_dtype_and_auto_passes_it_over(monkeypatch):

@@ -106,43 +106,66 @@ def test_store_kvcache_matches_reference_and_skips_padding_slots(use_kernel, dty
     assert caches[0].abs().sum() > 0 and caches[1].abs().sum() > 0
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+STORE_PAIRS = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)] + [
+    (dtype, fp8) for fp8 in FP8 for dtype in (torch.float32, torch.bfloat16)
+]
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8)  # fp8 tensors lack torch.equal on CPU; their bytes compare the same
+
+
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "torch"])
-@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), STORE_PAIRS, ids=str)
 def test_store_kvcache_converts_to_the_cache_dtype_as_torch_does(use_kernel, dtype, cache_dtype):
-    """kv_cache_dtype: keys are rounded to nearest even into a bfloat16 cache (widened exactly into a float32
-    one), bit for bit as .to() does, on both paths."""
+    """kv_cache_dtype: keys are rounded to nearest even into a narrower cache (widened exactly into a float32
+    one), bit for bit as .to() does, on both paths; fp8 saturates at its largest finite value (vLLM's rule:
+    e4m3 +-448, e5m2 +-57344), where e5m2's plain .to() would give inf."""
     if use_kernel and cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernel")
-    qkv = (torch.randn(5, 48) * 3).to(dtype)
+    qkv = torch.randn(5, 48) * 3
+    qkv[1, 20], qkv[3, 40], qkv[4, 17] = 1e6, -1e6, 0.01  # past both fp8 ranges; an fp8 subnormal
+    qkv = qkv.to(dtype)
     key, value = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
     slots = torch.tensor([0, 7, -1, 300, 511])
     caches = [torch.zeros(2, 256, 2, 8, dtype=cache_dtype) for _ in range(4)]
     TorchBackend(use_cpu_kernel=use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
-    store_kvcache_reference(key.to(cache_dtype), value.to(cache_dtype), caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert caches[0].abs().sum() > 0
+    limit = torch.finfo(cache_dtype).max if cache_dtype in FP8 else float("inf")
+    rounded = [x.float().clamp(-limit, limit).to(cache_dtype) for x in (key, value)]
+    store_kvcache_reference(*rounded, caches[2], caches[3], slots)
+    assert torch.equal(as_bytes(caches[0]), as_bytes(caches[2]))
+    assert torch.equal(as_bytes(caches[1]), as_bytes(caches[3]))
+    assert caches[0].float().abs().sum() > 0
+    assert caches[0].float().isfinite().all() and caches[1].float().isfinite().all()
+    if cache_dtype in FP8:
+        assert caches[0][0, 7].float().abs().max() == limit and caches[1][1, 44].float().abs().max() == limit
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "torch"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 @pytest.mark.parametrize("case", CASES)
-def test_float32_queries_over_a_bfloat16_cache_match_the_reference(use_kernel, case):
-    """A bfloat16 cache under a float32 model: values widen exactly, the rest is float32 arithmetic, so the
-    result matches the float32 oracle on the same cache to float32 rounding."""
+def test_float32_queries_over_a_narrower_cache_match_the_reference(use_kernel, cache_dtype, case):
+    """A bfloat16 or fp8 cache under a float32 model: values widen exactly (the C++ kernel widens fp8 through
+    float16's layout, eight at a time), the rest is float32 arithmetic, so the result matches the float32
+    oracle on the same cache to float32 rounding."""
     if use_kernel and cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     query, k_cache, v_cache, metadata = make_batch(*case, 9, 3, 64, 256, torch.float32)
-    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    k_cache[0, :8] *= 0.005  # fp8 subnormals (below 2^-6 in e4m3) among the keys read
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
     got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
-def test_a_fresh_prompt_attends_to_its_keys_as_the_cache_holds_them():
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
+def test_a_fresh_prompt_attends_to_its_keys_as_the_cache_holds_them(cache_dtype):
     """Prefill without a cached prefix reads this step's keys directly (new_kv); under a narrower cache it must
     round them as the cache does, so a prompt's output does not depend on whether its prefix was cached."""
     query, k_cache, v_cache, metadata = make_batch([40], [40], 9, 3, 64, 256, torch.float32)
-    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     key, value = torch.randn(40, 3, 64), torch.randn(40, 3, 64)
     table = metadata.block_tables[0].tolist()
     slots = torch.tensor([table[t // 256] * 256 + t % 256 for t in range(40)])

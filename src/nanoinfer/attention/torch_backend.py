@@ -61,14 +61,17 @@ class TorchBackend:
 
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         kernel = cpu_ops() if self.use_cpu_kernel and key.device.type == "cpu" else None
-        kernel_dtypes = key.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_DTYPES
+        kernel_dtypes = key.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_CACHE_DTYPES
         if kernel is not None and kernel_dtypes and _rows_contiguous(key) and _rows_contiguous(value):
             kernel.store_kvcache(key, value, k_cache, v_cache, slot_mapping)  # converts to the cache's dtype
             return
-        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)  # kv_cache_dtype: rounded once, here
+        key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)  # rounded once here
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         k_flat = k_cache.view(num_slots, *k_cache.shape[2:])  # [num_slots, H_kv, D]
         v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
+        if k_cache.dtype.itemsize == 1:  # index_copy_ has no fp8 kernels: copy the bytes
+            k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+            key, value = key.view(torch.uint8), value.view(torch.uint8)
         if slot_mapping.device.type != "cpu" or bool((slot_mapping < 0).any()):
             keep = slot_mapping >= 0
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -108,7 +111,7 @@ class TorchBackend:
         batch = q.shape[0]
         group = q.shape[1] // num_kv_heads
         kernel = cpu_ops() if self.use_cpu_kernel and query.device.type == "cpu" else None
-        if kernel is not None and query.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_DTYPES:
+        if kernel is not None and query.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_CACHE_DTYPES:
             o = kernel.paged_decode(q.contiguous(), k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
         else:
             lens = [plan.seq_lens[i] for i in plan.decode_ids]
@@ -141,7 +144,8 @@ class TorchBackend:
             if k_cache.dtype != k.dtype:
                 # Rounded as the cache holds them, so a prompt attends alike whether or not its prefix was
                 # cached (and alike on every backend, which all read the cache).
-                k, v = k.to(k_cache.dtype).to(query.dtype), v.to(v_cache.dtype).to(query.dtype)
+                k = to_cache_dtype(k, k_cache.dtype).to(query.dtype)
+                v = to_cache_dtype(v, v_cache.dtype).to(query.dtype)
         else:
             block_size = k_cache.shape[1]
             num_blocks = -(-seq_len // block_size)
@@ -163,7 +167,16 @@ class TorchBackend:
         out[start:end] = o[0].transpose(0, 1)
 
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ store and decode kernels read and write
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the queries and keys the C++ kernels take
+_KERNEL_CACHE_DTYPES = _KERNEL_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)  # the caches they read/write
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded into a KV cache of `dtype`, as the C++ store rounds it. fp8 (scale 1) saturates at the largest
+    finite value, as vLLM's caches do: e4m3's cast already saturates, e5m2's would give inf."""
+    if dtype == torch.float8_e5m2:
+        x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    return x.to(dtype)
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:

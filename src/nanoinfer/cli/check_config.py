@@ -50,7 +50,10 @@ DeviceFlag = Annotated[str | None, typer.Option("--device", help="auto | cpu | c
 DtypeFlag = Annotated[str | None, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16.")]
 KvCacheDtypeFlag = Annotated[
     str | None,
-    typer.Option("--kv-cache-dtype", help="auto (the model's dtype) | float32 | bfloat16 | float16: the KV cache's."),
+    typer.Option(
+        "--kv-cache-dtype",
+        help="auto (the model's dtype) | float32 | bfloat16 | float16 | fp8 (= fp8_e4m3) | fp8_e5m2: the KV cache's.",
+    ),
 ]
 AttentionBackendFlag = Annotated[
     str | None, typer.Option("--attention-backend", help="auto | torch | triton | flash-attn.")

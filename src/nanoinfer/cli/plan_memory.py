@@ -29,7 +29,7 @@ from nanoinfer.cli.check_config import (
     ModelFlag,
     NumKvcacheBlocksFlag,
 )
-from nanoinfer.config import field_default, type_problem
+from nanoinfer.config import DTYPES, KV_CACHE_DTYPES, field_default, type_problem
 from nanoinfer.config_file import merge_settings
 from nanoinfer.errors import ConfigError, ConfigProblem, ModelLoadError, NanoInferError, OutOfMemoryError
 
@@ -148,16 +148,15 @@ def _check(values: dict, hf_config) -> None:
         need(
             "tensor_parallel_size", False, f"does not split this model's attention heads; use one of {sizes}."
         )
-    need(
-        "dtype",
-        values["dtype"] in ("float32", "bfloat16", "float16"),
-        "must be bfloat16, float16 or float32.",
-    )
-    need(
-        "kv_cache_dtype",
-        values["kv_cache_dtype"] in ("float32", "bfloat16", "float16"),
-        "must be auto (the model's dtype), bfloat16, float16 or float32.",
-    )
+    need("dtype", values["dtype"] in DTYPES[1:], f"must be one of {', '.join(DTYPES)}.")
+    if str(values["kv_cache_dtype"]).startswith("fp8") and values["kv_cache_dtype"] in KV_CACHE_DTYPES:
+        need("kv_cache_dtype", False, "runs only on the CPU for now, and this plans GPU memory. Use bfloat16 or auto.")
+    else:
+        need(
+            "kv_cache_dtype",
+            values["kv_cache_dtype"] in KV_CACHE_DTYPES[1:],
+            f"must be one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype).",
+        )
     for field in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         need(field, values[field] >= 1, "must be a positive integer.")
     if values["max_num_seqs"] >= 1:

@@ -8,11 +8,25 @@
 // SmolLM2's 9/3 heads, one thread: 30 ms per layer for the first version (one KV head per work item, plain
 // loops), 6 ms for this one (whole cache rows per token, AVX2 dot products, exponentials and value sums).
 // Other CPUs take the portable scalar path, with the same results up to float32 rounding.
-// The cache may be bfloat16 under float32 queries (kv_cache_dtype): each element is widened in registers,
-// and the whole-row reads move half the bytes.
+// The cache may be bfloat16 or fp8 (e4m3 / e5m2) under float32 queries (kv_cache_dtype): each element is
+// widened in registers, and the whole-row reads move a half or a quarter of the bytes.
 #include "simd.h"
 
 #include <type_traits>
+
+// Calls f with the data pointer of `t` typed by its dtype: queries and keys float32 / bfloat16 (`cache`
+// false), caches also fp8 e4m3 / e5m2 (kv_cache_dtype).
+template <typename F>
+static void with_typed(const torch::Tensor& t, bool cache, const char* what, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return f(t.data_ptr<float>());
+    case at::kBFloat16: return f(t.data_ptr<at::BFloat16>());
+    case at::kFloat8_e4m3fn: if (cache) return f(static_cast<c10::Float8_e4m3fn*>(t.data_ptr())); break;
+    case at::kFloat8_e5m2: if (cache) return f(static_cast<c10::Float8_e5m2*>(t.data_ptr())); break;
+    default: break;
+  }
+  TORCH_CHECK(false, what, ": float32 or bfloat16", cache ? " (or fp8 e4m3 / e5m2)" : "", ", got ", t.scalar_type());
+}
 
 #ifdef NANOINFER_AVX2
 // One sequence, KV heads [h0, h1): qf [Hq, D] pre-scaled queries; scores [Hq, len] scratch; acc [Hq, D] out.
@@ -25,15 +39,25 @@ static void attend_avx2(const float* qf, const T* k, const T* v, const int* tabl
   const int chunks = D / 8;
   const int Hq = Hkv * G;
   std::vector<float> maxes(Hq, -INFINITY);
+  // A narrower cache's key slice is widened once into kf and read by the G query heads from there (widening
+  // it per head cost more than the bytes saved: an fp8 cache ran W's decode slower than a bfloat16 one).
+  alignas(32) float kf[256];
   for (int t = 0; t < len; ++t) {
     const T* row = row_ptr(k, table, t, bs, Hkv, 0, D);
     for (int h = h0; h < h1; ++h) {
-      const T* kp = row + (size_t)h * D;
+      const float* kp;
+      if constexpr (std::is_same_v<T, float>) {
+        kp = row + (size_t)h * D;
+      } else {
+        for (int c = 0; c < chunks; ++c) _mm256_store_ps(kf + 8 * c, load8(row + (size_t)h * D + 8 * c));
+        kp = kf;
+      }
       for (int g = 0; g < G; ++g) {
         const int qh = h * G + g;
         const float* qg = qf + qh * D;
-        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(kp));
-        for (int c = 1; c < chunks; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(kp + 8 * c), s);
+        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kp));
+        for (int c = 1; c < chunks; ++c)
+          s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kp + 8 * c), s);
         const float score = hsum(s);
         scores[(size_t)qh * len + t] = score;
         maxes[qh] = std::max(maxes[qh], score);
@@ -118,7 +142,7 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
                         int B, int Hq, int Hkv, int D, int bs, int max_blocks, float scale) {
   const int G = Hq / Hkv;
 #ifdef NANOINFER_AVX2
-  const bool vector = D % 8 == 0;
+  const bool vector = D % 8 == 0 && D <= 256;  // attend_avx2 widens a key slice into a 256-float buffer
 #else
   const bool vector = false;
 #endif
@@ -159,36 +183,29 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int bs = k_cache.size(1), Hkv = k_cache.size(2);
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
-  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "paged_decode: float32 or bfloat16 queries");
-  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16, "paged_decode: float32 or bfloat16 cache");
-  TORCH_CHECK(v_cache.scalar_type() == ct, "paged_decode: key and value caches of one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "paged_decode: key and value caches of one dtype");
   const int mb = tables.size(1);
   const int* tp = tables.data_ptr<int>();
   const int* lp = lens.data_ptr<int>();
-  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
-    decode_impl(qp, kp, vp, tp, lp, op, B, Hq, Hkv, D, bs, mb, (float)scale);
-  };
-  if (qt == at::kFloat && ct == at::kFloat)
-    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
-  else if (qt == at::kFloat)
-    run(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), out.data_ptr<float>());
-  else if (ct == at::kFloat)
-    run(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<at::BFloat16>());
-  else
-    run(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-        out.data_ptr<at::BFloat16>());
+  with_typed(q, false, "paged_decode queries", [&](auto* qp) {
+    using TQ = std::remove_pointer_t<decltype(qp)>;
+    with_typed(k_cache, true, "paged_decode cache", [&](auto* kp) {
+      using TC = std::remove_pointer_t<decltype(kp)>;
+      decode_impl(qp, kp, static_cast<TC*>(v_cache.data_ptr()), tp, lp, out.data_ptr<TQ>(), B, Hq, Hkv, D, bs, mb,
+                  (float)scale);
+    });
+  });
   return out;
 }
 
 // One row of n elements into the cache's dtype: a memcpy when the types match, else a rounding conversion
-// (float32 -> bfloat16 rounds to nearest even, as torch's .to() does).
+// (to nearest even, as torch's .to() does; fp8 saturates, see from_f).
 template <typename TS, typename TC>
 static inline void store_row(const TS* src, TC* dst, int64_t n) {
   if constexpr (std::is_same_v<TS, TC>) {
     std::memcpy(dst, src, n * sizeof(TC));
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<TC>(to_f(src[i]));
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_f<TC>(to_f(src[i]));
   }
 }
 
@@ -206,7 +223,7 @@ static void store_impl(const TS* kp, const TS* vp, int64_t k_stride, int64_t v_s
 
 // Writes this step's keys and values into their cache slots (slot -1: padding, skipped). key/value
 // [T, H_kv, D] may be views of the fused qkv output (any row stride, each row's H_kv * D contiguous); the
-// caches are contiguous, in the model's dtype or in kv_cache_dtype (float32 / bfloat16 either way). One
+// caches are contiguous, in the model's dtype or in kv_cache_dtype (float32 / bfloat16 / fp8). One
 // memcpy (or one converting pass) per row: for a decode step's few dozen rows, index_copy_'s dispatch and
 // the -1 filter cost more than the copy.
 void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -214,28 +231,20 @@ void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(1) == key.size(2), "store_kvcache: key rows");
   TORCH_CHECK(value.dim() == 3 && value.stride(2) == 1 && value.stride(1) == value.size(2), "store_kvcache: value rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kvcache: contiguous caches");
-  const auto st = key.scalar_type(), ct = k_cache.scalar_type();
-  TORCH_CHECK(value.scalar_type() == st && v_cache.scalar_type() == ct, "store_kvcache: one dtype for K and V");
-  TORCH_CHECK((st == at::kFloat || st == at::kBFloat16) && (ct == at::kFloat || ct == at::kBFloat16),
-              "store_kvcache: float32 or bfloat16 keys and cache");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kvcache: one dtype for K and V");
   const auto slots = slot_mapping.contiguous();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == key.size(0), "store_kvcache: int64 slots");
   const int64_t T = key.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t row = key.size(1) * key.size(2);
   TORCH_CHECK(row == k_cache.size(2) * k_cache.size(3), "store_kvcache: row size differs from the cache's");
   const int64_t* s = slots.data_ptr<int64_t>();
-  auto run = [&](auto* kp, auto* vp, auto* kc, auto* vc) {
-    store_impl(kp, vp, key.stride(0), value.stride(0), kc, vc, s, T, row, num_slots);
-  };
-  if (st == at::kFloat && ct == at::kFloat)
-    run(key.data_ptr<float>(), value.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  else if (st == at::kFloat)
-    run(key.data_ptr<float>(), value.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
-        v_cache.data_ptr<at::BFloat16>());
-  else if (ct == at::kFloat)
-    run(key.data_ptr<at::BFloat16>(), value.data_ptr<at::BFloat16>(), k_cache.data_ptr<float>(),
-        v_cache.data_ptr<float>());
-  else
-    run(key.data_ptr<at::BFloat16>(), value.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-        v_cache.data_ptr<at::BFloat16>());
+  with_typed(key, false, "store_kvcache keys", [&](auto* kp) {
+    using TS = std::remove_pointer_t<decltype(kp)>;
+    with_typed(k_cache, true, "store_kvcache cache", [&](auto* kc) {
+      using TC = std::remove_pointer_t<decltype(kc)>;
+      store_impl(kp, static_cast<const TS*>(value.data_ptr()), key.stride(0), value.stride(0), kc,
+                 static_cast<TC*>(v_cache.data_ptr()), s, T, row, num_slots);
+    });
+  });
 }

@@ -1,5 +1,5 @@
 // Shared by the CPU kernels: element access for float32 / bfloat16 and, where the compiler targets AVX2 +
-// FMA (-march=native on such a CPU), 8-lane helpers. Every kernel keeps a plain-loop path for other CPUs.
+// FMA + F16C (-march=native on such a CPU), 8-lane helpers. Every kernel keeps a plain-loop path for other CPUs.
 #pragma once
 #include <torch/extension.h>
 #include <omp.h>
@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define NANOINFER_AVX2 1
 #endif
@@ -15,6 +15,16 @@
 template <typename T> static inline float to_f(T x);
 template <> inline float to_f<float>(float x) { return x; }
 template <> inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); }
+template <> inline float to_f<c10::Float8_e4m3fn>(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+template <> inline float to_f<c10::Float8_e5m2>(c10::Float8_e5m2 x) { return static_cast<float>(x); }
+
+// A KV cache element from a float32 value, as torch's .to() rounds it (to nearest even). fp8 caches
+// (kv_cache_dtype fp8_e4m3 / fp8_e5m2, scale 1) saturate at the largest finite value, as vLLM's do: e4m3's
+// conversion already does, e5m2's would give inf, so it is clamped first.
+template <typename T> static inline T from_f(float x) { return static_cast<T>(x); }
+template <> inline c10::Float8_e5m2 from_f<c10::Float8_e5m2>(float x) {
+  return static_cast<c10::Float8_e5m2>(std::min(std::max(x, -57344.f), 57344.f));
+}
 
 // Where token t of a sequence lives: row (block * bs + offset), then KV head h.
 template <typename T>
@@ -27,6 +37,20 @@ static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// fp8 (one byte an element) through float16's layout and F16C's conversion: e5m2 is the top byte of a
+// float16; e4m3 (bias 7) placed as s.eeee.mmm in a float16 (bias 15) reads 2^-8 of its value, subnormals
+// included, so one multiply by 256 restores it (the NaN byte, never stored, would read 480).
+static inline __m256 load8(const c10::Float8_e5m2* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+}
+static inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  const __m128i rest = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.f));
 }
 
 static inline float hsum(__m256 v) {

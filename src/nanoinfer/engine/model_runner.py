@@ -22,11 +22,12 @@ from nanoinfer.model.loader import load_weights
 from nanoinfer.model.sampler import Sampler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_cache_dtype_of(config) -> torch.dtype:
-    """The KV cache's torch dtype: kv_cache_dtype, or the model's dtype where it is (still) auto."""
-    return DTYPES[config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype]
+    """The KV cache's torch dtype (a resolved Config's kv_cache_dtype names it: never auto or fp8)."""
+    return KV_CACHE_DTYPES[config.kv_cache_dtype]
 
 
 class ModelRunner:
