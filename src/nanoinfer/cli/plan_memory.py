@@ -149,14 +149,11 @@ def _check(values: dict, hf_config) -> None:
             "tensor_parallel_size", False, f"does not split this model's attention heads; use one of {sizes}."
         )
     need("dtype", values["dtype"] in DTYPES[1:], f"must be one of {', '.join(DTYPES)}.")
-    if str(values["kv_cache_dtype"]).startswith("fp8") and values["kv_cache_dtype"] in KV_CACHE_DTYPES:
+    kv_cache_dtype = values["kv_cache_dtype"]
+    known = kv_cache_dtype in KV_CACHE_DTYPES[1:]
+    need("kv_cache_dtype", known, f"must be one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype).")
+    if known and kv_cache_dtype.startswith("fp8"):
         need("kv_cache_dtype", False, "runs only on the CPU for now, and this plans GPU memory. Use bfloat16 or auto.")
-    else:
-        need(
-            "kv_cache_dtype",
-            values["kv_cache_dtype"] in KV_CACHE_DTYPES[1:],
-            f"must be one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype).",
-        )
     for field in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         need(field, values[field] >= 1, "must be a positive integer.")
     if values["max_num_seqs"] >= 1:
