@@ -8,6 +8,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import sysconfig
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger("nanoinfer")
@@ -39,17 +42,37 @@ def cpu_ops():
         _remove_stale_lock(name)
         if not _is_built(name):  # say why the first run on a machine pauses (no logging is configured: stderr)
             logger.warning("building nanoinfer's CPU kernels for this machine (first run only, about 2 minutes)")
-        _module = load(
-            name=name,
-            sources=[str(f) for f in files if f.suffix == ".cpp"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _own_ninja_first():
+            _module = load(
+                name=name,
+                sources=[str(f) for f in files if f.suffix == ".cpp"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
         _failed = True
         logger.warning("CPU kernels unavailable (%s); using the slower torch ops.", str(e).splitlines()[0])
     return _module
+
+
+@contextmanager
+def _own_ninja_first():
+    """PATH with this environment's ninja (the `ninja` dependency) first, while torch builds or checks the build.
+
+    torch runs whichever `ninja` PATH finds, and ninja versions keep incompatible logs of what they built: a
+    build made by the venv's ninja 1.13 (venv activated) was rebuilt from scratch, 2.5 minutes, when the same
+    CLI ran through a PATH that found the system's ninja 1.11, and again the other way round."""
+    scripts = sysconfig.get_path("scripts")
+    if not shutil.which("ninja", path=scripts):
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = scripts + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def _build_dir(name: str) -> Path:

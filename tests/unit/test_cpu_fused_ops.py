@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,3 +133,28 @@ def test_sampler_argmax_falls_back_to_torch_off_the_kernel():
     logits = torch.randn(4, 50).to(torch.bfloat16)
     assert torch.equal(_argmax(logits), torch.argmax(logits, dim=-1))
     assert torch.equal(_argmax(logits.float()), torch.argmax(logits.float(), dim=-1))
+
+
+def test_kernels_are_built_with_this_environments_ninja(monkeypatch, tmp_path):
+    """Two ninja versions keep incompatible build logs, so the one PATH finds first must not depend on whether
+    the venv is activated: the build (and its up-to-date check) runs with the environment's own ninja first."""
+    import sysconfig
+
+    import torch.utils.cpp_extension
+
+    from nanoinfer import cpu_ops as cpu_ops_module
+
+    scripts = tmp_path / "bin"
+    scripts.mkdir()
+    (scripts / "ninja").write_text("#!/bin/sh\n")
+    (scripts / "ninja").chmod(0o755)
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: str(scripts) if name == "scripts" else None)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: seen.append(os.environ["PATH"]) or "built")
+    monkeypatch.setattr(cpu_ops_module, "_module", None)
+    monkeypatch.setattr(cpu_ops_module, "_failed", False)
+    monkeypatch.setattr(cpu_ops_module, "_is_built", lambda name: True)
+    assert cpu_ops_module.cpu_ops() == "built"
+    assert seen == [f"{scripts}{os.pathsep}/usr/bin:/bin"]
+    assert os.environ["PATH"] == "/usr/bin:/bin"  # restored
