@@ -30,10 +30,13 @@ constexpr int64_t RUN_DIV = 2;  // a thread's run of panels: 1 / (RUN_DIV * thre
 constexpr int64_t MIN_RUN = 2;  // ...and at least this many
 
 // A share of the next panel's 64-byte lines for one register tile to prefetch, spread over its k-steps.
+// A tile's share is at most one line per k-step (a panel has K * 16 * 4 / 64 = K lines in float32, and
+// every tile takes its share), so the kernel prefetches on every k-step, the line advancing by `step` / 2^32:
+// no branch in the loop. With a branch that fired every few k-steps instead, its mispredictions cost
+// 20-30% of the kernel's speed (measured in L1: 61-67 against 82 GFLOP/s on one core).
 struct Prefetch {
   const char* line = nullptr;
-  int64_t lines = 0;
-  int64_t every = 1;
+  uint64_t step = 0;  // 64-byte lines per k-step, 32.32 fixed point; 0: no prefetch (the line is re-read)
 };
 
 // Output element from a float32 sum: bfloat16 rounds to nearest even (what torch's conversion does).
@@ -47,13 +50,11 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
   // Named accumulators, not an array: with an array GCC spills all twelve to the stack every k-step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  int64_t next_pf = pf.lines > 0 ? 0 : K;
+  const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
+  uint64_t pf_pos = 0;
   for (int64_t k = 0; k < K; ++k) {
-    if (k == next_pf) {  // one line of the next panel every `every` k-steps (a scalar compare: free here)
-      _mm_prefetch(pf.line, _MM_HINT_T1);
-      pf.line += 64;
-      next_pf = --pf.lines > 0 ? k + pf.every : K;
-    }
+    _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
+    pf_pos += pf.step;
     const __m256 b0 = load8(b + k * NR), b1 = load8(b + k * NR + 8);  // bfloat16 widens exactly
     const float* ak = a + k * R;
     __m256 av;
@@ -108,9 +109,10 @@ void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, 
   auto share = [&](int64_t t) {  // tile t's lines of the next panel
     const int64_t first = lines * t / tiles, last = lines * (t + 1) / tiles;
     Prefetch pf;
-    pf.line = reinterpret_cast<const char*>(next) + 64 * first;
-    pf.lines = last - first;
-    pf.every = pf.lines > 0 ? std::max<int64_t>(1, K / pf.lines) : 1;
+    if (last > first) {
+      pf.line = reinterpret_cast<const char*>(next) + 64 * first;
+      pf.step = (static_cast<uint64_t>(last - first) << 32) / static_cast<uint64_t>(K);
+    }
     return pf;
   };
   int64_t m = 0;
