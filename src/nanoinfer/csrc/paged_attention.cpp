@@ -29,6 +29,19 @@ static void with_typed(const torch::Tensor& t, bool cache, const char* what, F&&
 }
 
 #ifdef NANOINFER_AVX2
+// Each pass over the cache asks for the rows this many tokens ahead (their heads [h0, h1)) while it works on
+// the current one: the hardware prefetcher alone left the two threads at 9-11 GB/s of this machine's
+// ~14.5; measured in a standalone copy of this loop, 64 sequences x 150-256 tokens x 30 layers, float32
+// cache, prefetching 3-8 rows ahead took 10-20% off the time (4 here; a row is 768 bytes for SmolLM2).
+constexpr int kPrefetchRows = 4;
+
+template <typename T>
+static inline void prefetch_row(const T* cache, const int* table, int t, int bs, int Hkv, int h0, int h1, int D) {
+  const char* p = reinterpret_cast<const char*>(row_ptr(cache, table, t, bs, Hkv, h0, D));
+  const size_t bytes = (size_t)(h1 - h0) * D * sizeof(T);
+  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 // One sequence, KV heads [h0, h1): qf [Hq, D] pre-scaled queries; scores [Hq, len] scratch; acc [Hq, D] out.
 // Token-major: each token's row holds all KV heads side by side (Hkv * D contiguous elements), and reading
 // whole rows is what this machine's memory does well; one head's slice of every row (a 256-byte read every
@@ -44,6 +57,7 @@ static void attend_avx2(const float* qf, const T* k, const T* v, const int* tabl
   alignas(32) float kf[256];
   for (int t = 0; t < len; ++t) {
     const T* row = row_ptr(k, table, t, bs, Hkv, 0, D);
+    if (t + kPrefetchRows < len) prefetch_row(k, table, t + kPrefetchRows, bs, Hkv, h0, h1, D);
     for (int h = h0; h < h1; ++h) {
       const float* kp;
       if constexpr (std::is_same_v<T, float>) {
@@ -86,6 +100,7 @@ static void attend_avx2(const float* qf, const T* k, const T* v, const int* tabl
   std::fill(acc + (size_t)h0 * G * D, acc + (size_t)h1 * G * D, 0.f);
   for (int t = 0; t < len; ++t) {
     const T* row = row_ptr(v, table, t, bs, Hkv, 0, D);
+    if (t + kPrefetchRows < len) prefetch_row(v, table, t + kPrefetchRows, bs, Hkv, h0, h1, D);
     for (int h = h0; h < h1; ++h) {
       const T* vp = row + (size_t)h * D;
       for (int c = 0; c < chunks; ++c) {
