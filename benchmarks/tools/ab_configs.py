@@ -8,6 +8,11 @@ and generates W exactly; the table gives each run's output tok/s, prefill and de
     python benchmarks/tools/ab_configs.py --a max_num_batched_tokens=16384 --b max_num_batched_tokens=2048
 
 Values are parsed as YAML scalars (2048 is an int, true a bool). --num-requests etc. shrink the workload.
+
+--a-build / --b-build run A or B on another build of the C++ kernels (names as in ab_cpu_ops.py), to
+A/B a kernel change on whole W runs with the same settings:
+
+    python benchmarks/tools/ab_configs.py --a-build nanoinfer_cpu_ops_<old> --b-build nanoinfer_cpu_ops_<new>
 """
 
 from __future__ import annotations
@@ -31,6 +36,23 @@ def parse_settings(items: list[str]) -> dict:
     return settings
 
 
+def load_build(name: str | None):
+    """The named build of the C++ kernels, or None for the current sources' (built on first use)."""
+    if name is None:
+        return None
+    from ab_cpu_ops import load_build as load_named
+
+    return load_named(name)
+
+
+def use_build(module) -> None:
+    from nanoinfer import cpu_ops
+
+    cpu_ops._module = module if module is not None else None
+    if module is None:
+        cpu_ops.cpu_ops()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a", nargs="*", default=[], help="settings of A (default: the defaults)")
@@ -40,6 +62,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--a-build", help="build of the C++ kernels for A (default: the current sources')")
+    parser.add_argument("--b-build", help="build of the C++ kernels for B")
     args = parser.parse_args()
 
     base = {"device": "cpu", "num_threads": args.num_threads}
@@ -48,9 +72,11 @@ def main() -> None:
     workload = bench.make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), 0, vocab)
     print(f"A: {args.a or 'defaults'}  B: {args.b or 'defaults'}  "
           f"W: {workload.num_requests} requests, {workload.num_output_tokens} output tokens")  # fmt: skip
+    builds = {"A": load_build(args.a_build), "B": load_build(args.b_build)}
     results = {"A": [], "B": []}
     for round_index in range(args.rounds):
         for name, config in configs.items():
+            use_build(builds[name])
             result, _ = bench.run_nanoinfer(config, workload, warmup=True)
             results[name].append(result)
             r = result
