@@ -13,12 +13,18 @@ Values are parsed as YAML scalars (2048 is an int, true a bool). --num-requests 
 A/B a kernel change on whole W runs with the same settings:
 
     python benchmarks/tools/ab_configs.py --a-build nanoinfer_cpu_ops_<old> --b-build nanoinfer_cpu_ops_<new>
+
+--a-env / --b-env set environment variables for A's or B's runs only (switches read at run time):
+
+    python benchmarks/tools/ab_configs.py --a-env NANOINFER_DISABLE_HUGEPAGES=1
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+from contextlib import contextmanager
 
 import yaml
 
@@ -34,6 +40,30 @@ def parse_settings(items: list[str]) -> dict:
             raise SystemExit(f"expected NAME=VALUE, got {item!r}")
         settings[name] = yaml.safe_load(value)
     return settings
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected NAME=VALUE, got {item!r}")
+        env[name] = value
+    return env
+
+
+@contextmanager
+def environment(env: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def load_build(name: str | None):
@@ -64,6 +94,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--a-build", help="build of the C++ kernels for A (default: the current sources')")
     parser.add_argument("--b-build", help="build of the C++ kernels for B")
+    parser.add_argument("--a-env", nargs="*", default=[], help="NAME=VALUE environment variables for A's runs")
+    parser.add_argument("--b-env", nargs="*", default=[], help="NAME=VALUE environment variables for B's runs")
     args = parser.parse_args()
 
     base = {"device": "cpu", "num_threads": args.num_threads}
@@ -73,11 +105,13 @@ def main() -> None:
     print(f"A: {args.a or 'defaults'}  B: {args.b or 'defaults'}  "
           f"W: {workload.num_requests} requests, {workload.num_output_tokens} output tokens")  # fmt: skip
     builds = {"A": load_build(args.a_build), "B": load_build(args.b_build)}
+    envs = {"A": parse_env(args.a_env), "B": parse_env(args.b_env)}
     results = {"A": [], "B": []}
     for round_index in range(args.rounds):
         for name, config in configs.items():
             use_build(builds[name])
-            result, _ = bench.run_nanoinfer(config, workload, warmup=True)
+            with environment(envs[name]):
+                result, _ = bench.run_nanoinfer(config, workload, warmup=True)
             results[name].append(result)
             r = result
             print(f"round {round_index + 1} {name}: {r.output_tok_s:7.1f} tok/s  "
