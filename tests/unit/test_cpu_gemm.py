@@ -10,6 +10,7 @@ from torch import nn
 
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.model.cpu_gemm import (
+    gated_linear,
     linear,
     onednn_prepack_supported,
     pack_weight,
@@ -17,7 +18,7 @@ from nanoinfer.model.cpu_gemm import (
     prepack_linear_weights,
 )  # fmt: skip
 from nanoinfer.model.layers import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.model.linear import ColumnParallelLinear, RowParallelLinear
+from nanoinfer.model.linear import ColumnParallelLinear, GateUpParallelLinear, RowParallelLinear
 
 KINDS = [
     pytest.param("panels", marks=pytest.mark.skipif(cpu_ops() is None, reason="no C++ compiler here")),
@@ -93,6 +94,60 @@ def test_panels_kernel_rejects_mismatched_inputs():
         linear(torch.randn(3, 8).bfloat16(), torch.empty(0), None, packed)
 
 
+def _gated_reference(x, weight):
+    """silu(gate) * up from the plain panels GEMM and the SiLU-and-mul kernel: what the gated GEMM fuses."""
+    ops = cpu_ops()
+    return ops.silu_and_mul(ops.packed_linear(x, ops.pack_linear_weight(weight), None, weight.shape[0]))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 121, 300])
+@pytest.mark.parametrize("intermediate, in_features", [(48, 96), (8, 7), (13, 33)])  # 8 outputs a panel
+def test_gated_linear_is_silu_and_mul_of_the_projection(rows, intermediate, in_features):
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    gen = torch.Generator().manual_seed(rows * intermediate)
+    weight = torch.randn(2 * intermediate, in_features, generator=gen)  # [gate; up]
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = pack_weight(weight, "gated")
+    assert packed.out_features == intermediate
+    out = gated_linear(x, packed)
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    if intermediate % 8 == 0:  # same sums, same SiLU: the fused kernel gives the unfused kernels' bits
+        assert torch.equal(out, _gated_reference(x, weight))
+
+
+def test_gated_linear_is_the_same_on_any_thread_count_and_refuses_a_bias():
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    weight, x = torch.randn(2 * 504, 64), torch.randn(250, 64)  # 63 gated panels, 3 chunks of rows
+    packed = pack_weight(weight, "gated")
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(gated_linear(x, packed))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert torch.equal(outs[0], _gated_reference(x, weight))
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_ops().packed_linear(x, packed.data, torch.zeros(504), 504, gated=True)
+    with pytest.raises(RuntimeError, match="pack_gated_weight for 600 outputs"):
+        cpu_ops().packed_linear(x, packed.data, None, 600, gated=True)
+
+
+def test_gated_linear_runs_bfloat16_with_float32_sums():
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    weight, x = torch.randn(2 * 40, 80).bfloat16(), torch.randn(7, 80).bfloat16()
+    out = gated_linear(x, pack_weight(weight, "gated"))
+    gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, (F.silu(gate) * up).bfloat16(), rtol=1e-2, atol=1e-2)
+
+
 def test_float32_uses_the_panels_kernel_where_it_is_vectorized():
     ops = cpu_ops()
     expected = "panels" if ops is not None and ops.vectorized else ("onednn" if onednn_prepack_supported(
@@ -104,20 +159,22 @@ def test_float32_uses_the_panels_kernel_where_it_is_vectorized():
 
 
 class _Tiny(nn.Module):
-    """An embedding tied to the LM head, plus one column and one row linear."""
+    """An embedding tied to the LM head, a column and a row linear, and a gated MLP's gate_up projection."""
 
     def __init__(self):
         super().__init__()
         self.embed = VocabParallelEmbedding(50, 16)
         self.up = ColumnParallelLinear(16, [24, 24], bias=True)
         self.down = RowParallelLinear(48, 16)
+        self.gate_up = GateUpParallelLinear(16, 24)
         self.lm_head = ParallelLMHead(50, 16)
         self.lm_head.weight = self.embed.weight
         for p in self.parameters():
             nn.init.normal_(p)
 
     def forward(self, ids):
-        return self.lm_head(self.down(self.up(self.embed(ids))))
+        h = self.embed(ids)
+        return self.lm_head(self.down(self.up(h)) + self.down(torch.cat([self.gate_up.silu_and_mul(h)] * 2, -1)))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -126,8 +183,13 @@ def test_prepack_keeps_outputs_and_releases_unshared_weights(kind, monkeypatch):
     model = _Tiny()
     ids = torch.tensor([1, 7, 49])
     before = model(ids)
-    assert prepack_linear_weights(model) == 3
+    assert prepack_linear_weights(model) == 4
     assert model.up.packed_weight.kind == kind
+    # float32 panels take the gated MLP's activation into the GEMM; its bare projection is then refused
+    assert model.gate_up.packed_weight.kind == ("gated" if kind == "panels" else kind)
+    if kind == "panels":
+        with pytest.raises(RuntimeError, match="silu_and_mul"):
+            model.gate_up(torch.randn(2, 16))
     after = model(ids)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-4)
     assert model.up.weight.numel() == 0 and model.down.weight.numel() == 0  # only the packed copy remains

@@ -12,8 +12,9 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
                       torch::Tensor sin);
 torch::Tensor greedy_argmax(torch::Tensor logits);
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
+torch::Tensor pack_gated_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t N);
+                            const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
@@ -24,8 +25,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "neox-style rotary of q and k in place (float32)");
   m.def("greedy_argmax", &greedy_argmax, "index of each row's largest value, as torch.argmax (float32)");
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] float32/bfloat16 weight -> [ceil(N/16), K, 16] panels");
-  m.def("packed_linear", &packed_linear, "x W^T + b with W from pack_linear_weight (float32 or bfloat16, float32 sums)",
-        pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"));
+  m.def("pack_gated_weight", &pack_gated_weight,
+        "[2I, K] gate_up weight -> [ceil(I/8), K, 16] panels of 8 gate and the 8 matching up columns");
+  m.def("packed_linear", &packed_linear,
+        "x W^T + b with W from pack_linear_weight (float32 or bfloat16, float32 sums); gated: W from "
+        "pack_gated_weight, out = silu(x Wg^T) * (x Wu^T)",
+        pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"),
+        pybind11::arg("gated") = false);
 #ifdef NANOINFER_AVX2
   m.attr("vectorized") = true;
 #else

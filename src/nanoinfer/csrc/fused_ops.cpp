@@ -91,12 +91,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       float* o = op + r * I;
       int64_t i = 0;
 #ifdef NANOINFER_AVX2
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= I; i += 8) {
-        __m256 g = _mm256_loadu_ps(gate + i);
-        __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
-      }
+      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
 #endif
       for (; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
     }

@@ -20,6 +20,7 @@
 #include "simd.h"
 
 #include <atomic>
+#include <type_traits>
 
 namespace {
 
@@ -44,7 +45,9 @@ inline float store_as(float x, float*) { return x; }
 inline at::BFloat16 store_as(float x, at::BFloat16*) { return static_cast<at::BFloat16>(x); }
 
 #ifdef NANOINFER_AVX2
-template <int R, typename W, typename O>
+// GATED: the panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight), and the tile
+// stores silu(gate) * up: 8 outputs a row, `ncols` of them valid.
+template <int R, bool GATED, typename W, typename O>
 inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
                  int ncols, const float* __restrict bias, Prefetch pf) {
   // Named accumulators, not an array: with an array GCC spills all twelve to the stack every k-step.
@@ -68,6 +71,22 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
 #undef NANOINFER_ROW
   }
   const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  if constexpr (GATED) {  // no bias: the gated MLPs nanoinfer runs have none (packed_linear refuses one)
+    for (int r = 0; r < R; ++r) {
+      const __m256 y = silu_mul8(acc[r][0], acc[r][1]);
+      if constexpr (std::is_same_v<O, float>) {
+        if (ncols == NR / 2) {
+          _mm256_storeu_ps(c + r * ldc, y);
+          continue;
+        }
+      }
+      alignas(32) float row[NR / 2];
+      _mm256_store_ps(row, y);
+      O* out = c + r * ldc;
+      for (int j = 0; j < ncols; ++j) out[j] = store_as(row[j], out);
+    }
+    return;
+  }
   alignas(32) float bias_tile[NR] = {};
   if (bias) std::copy(bias, bias + ncols, bias_tile);
   const __m256 bias0 = _mm256_load_ps(bias_tile), bias1 = _mm256_load_ps(bias_tile + 8);
@@ -87,21 +106,24 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
   }
 }
 #else
-template <int R, typename W, typename O>
+template <int R, bool GATED, typename W, typename O>
 inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, const float* bias, Prefetch) {
   float acc[MR][NR] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NR; ++j) acc[r][j] += a[k * R + r] * to_f(b[k * NR + j]);
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < ncols; ++j) c[r * ldc + j] = store_as(acc[r][j] + (bias ? bias[j] : 0.0f), c);
+    for (int j = 0; j < ncols; ++j) {
+      const float g = acc[r][j], y = GATED ? g / (1.f + std::exp(-g)) * acc[r][j + NR / 2] : g + (bias ? bias[j] : 0.f);
+      c[r * ldc + j] = store_as(y, c);
+    }
 }
 #endif
 
 // rows x 16 outputs of one panel; x's rows are packed in MR-row blocks (the last may be shorter). `next` is
 // the panel this thread runs after this one (or null), prefetched evenly over all of this panel's tiles:
 // the first tile alone would ask DRAM for a line per k-step, faster than a core's share of the bandwidth.
-template <typename W, typename O>
+template <bool GATED, typename W, typename O>
 void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, int64_t rows, const float* bias,
            const W* next) {
   const int64_t tiles = (rows + MR - 1) / MR;
@@ -116,16 +138,16 @@ void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, 
     return pf;
   };
   int64_t m = 0;
-  for (; m + MR <= rows; m += MR) tile<MR>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR));
+  for (; m + MR <= rows; m += MR) tile<MR, GATED>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR));
   const float* at = a + m * K;
   O* ct = c + m * ldc;
   const Prefetch pf = share(m / MR);
   switch (rows - m) {
-    case 5: tile<5>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 4: tile<4>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 3: tile<3>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 2: tile<2>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 1: tile<1>(at, b, K, ct, ldc, ncols, bias, pf); break;
+    case 5: tile<5, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
+    case 4: tile<4, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
+    case 3: tile<3, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
+    case 2: tile<2, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
+    case 1: tile<1, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
     default: break;
   }
 }
@@ -139,6 +161,36 @@ static void pack_panels(const T* src, T* dst, int64_t N, int64_t K) {
       for (int64_t j = 0; j < NR && p * NR + j < N; ++j)
         for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * NR + j] = src[(p * NR + j) * K + k];
   });
+}
+
+// The fused [2I, K] gate_up weight (gate rows, then up rows) into panels of 8 gate columns and the 8 matching
+// up columns, for packed_linear(..., gated): the MLP's silu(gate) * up is then computed in the GEMM's
+// registers, and the [rows, 2I] gate_up output is never written to memory and read back.
+template <typename T>
+static void pack_gated_panels(const T* src, T* dst, int64_t I, int64_t K) {
+  constexpr int H = NR / 2;
+  at::parallel_for(0, (I + H - 1) / H, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < H && p * H + j < I; ++j)
+        for (int64_t k = 0; k < K; ++k) {
+          dst[(p * K + k) * NR + j] = src[(p * H + j) * K + k];
+          dst[(p * K + k) * NR + H + j] = src[(I + p * H + j) * K + k];
+        }
+  });
+}
+
+torch::Tensor pack_gated_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "pack_gated_weight: a 2-D [2 * I, K] weight");
+  const auto w = weight.contiguous();
+  const int64_t I = w.size(0) / 2, K = w.size(1);
+  auto packed = torch::zeros({(I + NR / 2 - 1) / (NR / 2), K, NR}, w.options());  // zero columns past I
+  if (w.scalar_type() == at::kFloat)
+    pack_gated_panels(w.data_ptr<float>(), packed.data_ptr<float>(), I, K);
+  else if (w.scalar_type() == at::kBFloat16)
+    pack_gated_panels(w.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), I, K);
+  else
+    TORCH_CHECK(false, "pack_gated_weight: float32 or bfloat16 weight, got ", w.scalar_type());
+  return packed;
 }
 
 torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
@@ -156,8 +208,9 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
 }
 
 // x [M, K] (float32 or bfloat16, summed in float32) times the packed weight of the same dtype -> [M, N].
-template <typename T>
+template <bool GATED, typename T>
 static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t M, int64_t K, int64_t N, int64_t P) {
+  constexpr int64_t COLS = GATED ? NR / 2 : NR;  // output columns of one panel
   // x is repacked (as float32) one chunk of MC rows at a time, in MR-row blocks, k-major, just before its
   // panels run: the packed chunk is then still in L2 when the kernel reads it, and a prefill of thousands
   // of rows needs no repacked copy of all of x. One buffer per calling thread, reused across calls (a
@@ -197,9 +250,9 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
       for (int64_t p = p0; p < p0 + len; ++p) {
         int64_t next = p + 1;
         if (next == p0 + len) next = next_p0 = claim(next_len);
-        const int ncols = (int)std::min<int64_t>(NR, N - p * NR);
-        panel(a, b + p * K * NR, K, c + m0 * N + p * NR, N, ncols, rows, bias ? bias + p * NR : nullptr,
-              next >= 0 ? b + next * K * NR : nullptr);
+        const int ncols = (int)std::min<int64_t>(COLS, N - p * COLS);
+        panel<GATED>(a, b + p * K * NR, K, c + m0 * N + p * COLS, N, ncols, rows, bias ? bias + p * NR : nullptr,
+                     next >= 0 ? b + next * K * NR : nullptr);
       }
       p0 = next_p0, len = next_len;
     }
@@ -209,11 +262,14 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
 }
 
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t N) {
+                            const c10::optional<torch::Tensor>& bias, int64_t N, bool gated) {
   TORCH_CHECK(input.scalar_type() == packed.scalar_type(), "packed_linear: input ", input.scalar_type(),
               " but weight ", packed.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.size(0) == (N + NR - 1) / NR,
-              "packed_linear: weight not packed by pack_linear_weight for ", N, " outputs");
+  const int64_t cols = gated ? NR / 2 : NR;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.size(0) == (N + cols - 1) / cols,
+              "packed_linear: weight not packed by ", gated ? "pack_gated_weight" : "pack_linear_weight", " for ", N,
+              " outputs");
+  TORCH_CHECK(!gated || !(bias.has_value() && bias->defined()), "packed_linear: no bias with gated");
   const int64_t K = packed.size(1);
   TORCH_CHECK(input.size(-1) == K, "packed_linear: input has ", input.size(-1), " features, weight ", K);
   auto sizes = input.sizes().vec();
@@ -228,13 +284,21 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
   }
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (M > 0) {
-    if (x.scalar_type() == at::kFloat)
-      run_linear(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, out.data_ptr<float>(), M, K, N, packed.size(0));
-    else if (x.scalar_type() == at::kBFloat16)
-      run_linear(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), bias_ptr, out.data_ptr<at::BFloat16>(),
-                 M, K, N, packed.size(0));
-    else
+    auto run = [&](auto gated_tag) {
+      constexpr bool G = decltype(gated_tag)::value;
+      if (x.scalar_type() == at::kFloat)
+        run_linear<G>(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, out.data_ptr<float>(), M, K, N,
+                      packed.size(0));
+      else if (x.scalar_type() == at::kBFloat16)
+        run_linear<G>(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), bias_ptr,
+                      out.data_ptr<at::BFloat16>(), M, K, N, packed.size(0));
+    };
+    if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16)
       TORCH_CHECK(false, "packed_linear: float32 or bfloat16, got ", x.scalar_type());
+    if (gated)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
   }
   return out.view(sizes);
 }

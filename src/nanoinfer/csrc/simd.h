@@ -53,6 +53,15 @@ static inline __m256 load8(const c10::Float8_e4m3fn* p) {
   return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.f));
 }
 
+// silu(g) * u, 8 lanes: one definition for the SiLU-and-mul kernel and the GEMM that fuses it (csrc/gemm.cpp),
+// so the two give the same bits.
+static inline __m256 exp8(__m256 x);
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
+}
+
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

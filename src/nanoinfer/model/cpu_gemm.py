@@ -31,7 +31,8 @@ logger = logging.getLogger("nanoinfer")
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight in a kernel's own layout: kind "panels" (csrc/gemm.cpp) or "onednn"."""
+    """A weight in a kernel's own layout: kind "panels" (csrc/gemm.cpp), "gated" (the same GEMM over a
+    [gate; up] weight, giving silu(gate) * up; `out_features` is then the intermediate size) or "onednn"."""
 
     kind: str
     data: torch.Tensor
@@ -64,7 +65,14 @@ def pack_weight(weight: torch.Tensor, kind: str) -> PackedWeight:
     weight = weight.detach()
     if kind == "panels":
         return PackedWeight(kind, cpu_ops().pack_linear_weight(weight), weight.shape[0])
+    if kind == "gated":
+        return PackedWeight(kind, cpu_ops().pack_gated_weight(weight), weight.shape[0] // 2)
     return PackedWeight(kind, torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[0])
+
+
+def gated_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """silu(x Wg^T) * (x Wu^T) through a weight packed as kind "gated"."""
+    return cpu_ops().packed_linear(x, packed.data, None, packed.out_features, gated=True)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None):
@@ -96,7 +104,10 @@ def prepack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if not hasattr(module, "packed_weight") or module.weight.device.type != "cpu":
             continue
-        module.packed_weight = pack_weight(module.weight, kind)
+        # The MLP's gate_up projection takes SiLU-and-mul into the GEMM (float32 only: in bfloat16 that would
+        # skip the roundings of the unfused ops, which the bfloat16 comparisons with transformers expect).
+        gated = kind == "panels" and dtype == torch.float32 and getattr(module, "packs_gated", False)
+        module.packed_weight = pack_weight(module.weight, "gated" if gated else kind)
         if owners[id(module.weight)] == 1:
             module.weight.data = torch.empty(0, dtype=dtype)
         packed += 1

@@ -17,9 +17,8 @@ from nanoinfer.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
-    silu_and_mul,
 )
-from nanoinfer.model.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.model.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
 
 
 def head_dim_of(hf_config) -> int:
@@ -79,7 +78,7 @@ class MLP(nn.Module):
     def __init__(self, hf_config):
         super().__init__()
         inter = hf_config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias=False)
+        self.gate_up_proj = GateUpParallelLinear(hf_config.hidden_size, inter)
         self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias=False)
         self.hidden_size = hf_config.hidden_size
 
@@ -94,7 +93,7 @@ class MLP(nn.Module):
         return out
 
     def _forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed import all_reduce, get_tp_rank, get_tp_size
-from nanoinfer.model.cpu_gemm import PackedWeight, linear
+from nanoinfer.model.cpu_gemm import PackedWeight, gated_linear, linear
+from nanoinfer.model.layers import silu_and_mul
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
@@ -39,6 +40,30 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)
+
+
+class GateUpParallelLinear(ColumnParallelLinear):
+    """The MLP's fused gate/up projection (shard ids 0 and 1), with the activation that follows it.
+
+    On CPU in float32 its weight is packed so that one GEMM computes silu(gate) * up in registers
+    (`PackedWeight` kind "gated", csrc/gemm.cpp): the [rows, 2 x intermediate] projection is never written
+    out and read back. Call `silu_and_mul(x)`; `forward` gives the bare projection where the packing allows."""
+
+    packs_gated = True  # read by cpu_gemm.prepack_linear_weights
+
+    def __init__(self, input_size: int, intermediate_size: int):
+        super().__init__(input_size, [intermediate_size, intermediate_size], bias=False)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x Wg^T) * (x Wu^T), [..., intermediate / tp]."""
+        if self.packed_weight is not None and self.packed_weight.kind == "gated":
+            return gated_linear(x, self.packed_weight)
+        return silu_and_mul(self(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and self.packed_weight.kind == "gated":
+            raise RuntimeError("gate_up_proj is packed with its activation: call silu_and_mul(x)")
+        return super().forward(x)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
