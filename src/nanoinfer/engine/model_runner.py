@@ -13,7 +13,6 @@ from nanoinfer.attention.backend import get_backend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.engine.cuda_graph import CUDAGraphCapturer, CUDAGraphRunner, graph_batch_sizes
-from nanoinfer.engine.host_memory import empty_huge_pages
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.model.cpu_gemm import prepack_linear_weights
@@ -85,14 +84,14 @@ class ModelRunner:
         # On CPU the cache is left uninitialised: the OS then commits its pages only as blocks fill up, so a
         # 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB of resident memory for a small
         # job (the planner already checked the budget against available RAM). Every backend reads only
-        # slots below a sequence's length, which were written first. The pages are huge ones where Linux
-        # grants them (host_memory.py: decode attention 7-17% faster).
-        def alloc():
-            if self.device.type == "cpu":
-                return empty_huge_pages(shape, self.kv_cache_dtype)
-            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-
-        self.kv_caches = [(alloc(), alloc()) for _ in range(self.config.hf_config.num_hidden_layers)]
+        # slots below a sequence's length, which were written first. (Transparent huge pages for it were
+        # tried: decode attention over pre-faulted pages ran 7-17% faster, but W as a whole did not, since
+        # the kernel's first touch of each 2 MiB page cost more in prefill; benchmarks/README.md.)
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.kv_caches = [
+            tuple(alloc(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(2))
+            for _ in range(self.config.hf_config.num_hidden_layers)
+        ]
 
     @torch.inference_mode()
     def warmup(self) -> None:
