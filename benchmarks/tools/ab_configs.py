@@ -14,9 +14,8 @@ A/B a kernel change on whole W runs with the same settings:
 
     python benchmarks/tools/ab_configs.py --a-build nanoinfer_cpu_ops_<old> --b-build nanoinfer_cpu_ops_<new>
 
---a-env / --b-env set environment variables for A's or B's runs only (switches read at run time):
-
-    python benchmarks/tools/ab_configs.py --a-env NANOINFER_DISABLE_HUGEPAGES=1
+--a-env / --b-env set environment variables for A's or B's runs only, for a switch the code reads at run
+time (not one read once at start-up, such as OMP_NUM_THREADS).
 """
 
 from __future__ import annotations

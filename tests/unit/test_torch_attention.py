@@ -106,6 +106,26 @@ def test_store_kvcache_matches_reference_and_skips_padding_slots(use_kernel, dty
     assert caches[0].abs().sum() > 0 and caches[1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_store_kvcache_of_a_prefill_step_matches_reference(use_kernel):
+    # 600 rows: the C++ store splits a step of 256 or more rows over the threads; padding slots among them
+    qkv = torch.randn(600, 48)
+    key, value = qkv[:, 16:32].view(600, 2, 8), qkv[:, 32:].view(600, 2, 8)
+    slots = torch.randperm(4 * 256)[:600]
+    slots[::7] = -1
+    caches = [torch.zeros(4, 256, 2, 8) for _ in range(4)]
+    TorchBackend(use_cpu_kernel=use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
+    store_kvcache_reference(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    bad = slots.clone()
+    bad[300] = 4 * 256  # one slot past the end: refused before anything is written
+    if use_kernel and cpu_ops() is not None:
+        fresh = [torch.zeros(4, 256, 2, 8) for _ in range(2)]
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            TorchBackend().store_kvcache(key, value, fresh[0], fresh[1], bad)
+        assert fresh[0].abs().sum() == 0
+
+
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 STORE_PAIRS = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)] + [
     (dtype, fp8) for fp8 in FP8 for dtype in (torch.float32, torch.bfloat16)
