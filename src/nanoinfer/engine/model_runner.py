@@ -21,13 +21,14 @@ from nanoinfer.model.layers import enable_triton_small_ops
 from nanoinfer.model.loader import load_weights
 from nanoinfer.model.sampler import Sampler
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Config's dtype and kv_cache_dtype names (config.DTYPES, config.KV_CACHE_DTYPES, resolved) -> torch dtypes.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_KV_CACHE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_cache_dtype_of(config) -> torch.dtype:
     """The KV cache's torch dtype (a resolved Config's kv_cache_dtype names it: never auto or fp8)."""
-    return KV_CACHE_DTYPES[config.kv_cache_dtype]
+    return TORCH_KV_CACHE_DTYPES[config.kv_cache_dtype]
 
 
 class ModelRunner:
@@ -35,7 +36,7 @@ class ModelRunner:
         self.config = config
         hf_config = config.hf_config
         self.device = torch.device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = TORCH_DTYPES[config.dtype]
         self.kv_cache_dtype = kv_cache_dtype_of(config)
         self.block_size = config.kvcache_block_size
         self.backend = get_backend(config.attention_backend)
