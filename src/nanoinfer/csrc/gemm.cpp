@@ -188,19 +188,13 @@ static torch::Tensor pack(const torch::Tensor& weight, bool gated, const char* w
   const int64_t cols = gated ? NR / 2 : NR;  // output columns of one panel
   const int64_t N = gated ? w.size(0) / 2 : w.size(0), K = w.size(1);
   auto packed = torch::zeros({(N + cols - 1) / cols, K, NR}, w.options());  // zero columns past N
-  auto run = [&](auto* src) {
+  with_typed<false>(w, what, [&](auto* src) {
     using T = std::remove_pointer_t<decltype(src)>;
     if (gated)
       pack_gated_panels(src, packed.data_ptr<T>(), N, K);
     else
       pack_panels(src, packed.data_ptr<T>(), N, K);
-  };
-  if (w.scalar_type() == at::kFloat)
-    run(w.data_ptr<float>());
-  else if (w.scalar_type() == at::kBFloat16)
-    run(w.data_ptr<at::BFloat16>());
-  else
-    TORCH_CHECK(false, what, ": float32 or bfloat16 weight, got ", w.scalar_type());
+  });
   return packed;
 }
 
@@ -291,21 +285,14 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
   }
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (M > 0) {
-    auto run = [&](auto gated_tag) {
-      constexpr bool G = decltype(gated_tag)::value;
-      if (x.scalar_type() == at::kFloat)
-        run_linear<G>(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, out.data_ptr<float>(), M, K, N,
-                      packed.size(0));
-      else if (x.scalar_type() == at::kBFloat16)
-        run_linear<G>(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), bias_ptr,
-                      out.data_ptr<at::BFloat16>(), M, K, N, packed.size(0));
-    };
-    if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16)
-      TORCH_CHECK(false, "packed_linear: float32 or bfloat16, got ", x.scalar_type());
-    if (gated)
-      run(std::true_type{});
-    else
-      run(std::false_type{});
+    with_typed<false>(x, "packed_linear", [&](auto* xp) {
+      using T = std::remove_pointer_t<decltype(xp)>;
+      const T* b = packed.data_ptr<T>();
+      if (gated)
+        run_linear<true>(xp, b, bias_ptr, out.data_ptr<T>(), M, K, N, packed.size(0));
+      else
+        run_linear<false>(xp, b, bias_ptr, out.data_ptr<T>(), M, K, N, packed.size(0));
+    });
   }
   return out.view(sizes);
 }

@@ -14,20 +14,6 @@
 
 #include <type_traits>
 
-// Calls f with the data pointer of `t` typed by its dtype: queries and keys float32 / bfloat16 (`cache`
-// false), caches also fp8 e4m3 / e5m2 (kv_cache_dtype).
-template <typename F>
-static void with_typed(const torch::Tensor& t, bool cache, const char* what, F&& f) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return f(t.data_ptr<float>());
-    case at::kBFloat16: return f(t.data_ptr<at::BFloat16>());
-    case at::kFloat8_e4m3fn: if (cache) return f(static_cast<c10::Float8_e4m3fn*>(t.data_ptr())); break;
-    case at::kFloat8_e5m2: if (cache) return f(static_cast<c10::Float8_e5m2*>(t.data_ptr())); break;
-    default: break;
-  }
-  TORCH_CHECK(false, what, ": float32 or bfloat16", cache ? " (or fp8 e4m3 / e5m2)" : "", ", got ", t.scalar_type());
-}
-
 #ifdef NANOINFER_AVX2
 // Each pass over the cache asks for the rows this many tokens ahead (their heads [h0, h1)) while it works on
 // the current one: the hardware prefetcher alone left the two threads at 9-11 GB/s of this machine's
@@ -202,9 +188,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int mb = tables.size(1);
   const int* tp = tables.data_ptr<int>();
   const int* lp = lens.data_ptr<int>();
-  with_typed(q, false, "paged_decode queries", [&](auto* qp) {
+  with_typed<false>(q, "paged_decode queries", [&](auto* qp) {
     using TQ = std::remove_pointer_t<decltype(qp)>;
-    with_typed(k_cache, true, "paged_decode cache", [&](auto* kp) {
+    with_typed<true>(k_cache, "paged_decode cache", [&](auto* kp) {
       using TC = std::remove_pointer_t<decltype(kp)>;
       decode_impl(qp, kp, static_cast<TC*>(v_cache.data_ptr()), tp, lp, out.data_ptr<TQ>(), B, Hq, Hkv, D, bs, mb,
                   (float)scale);
@@ -261,9 +247,9 @@ void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache
   const int64_t row = key.size(1) * key.size(2);
   TORCH_CHECK(row == k_cache.size(2) * k_cache.size(3), "store_kvcache: row size differs from the cache's");
   const int64_t* s = slots.data_ptr<int64_t>();
-  with_typed(key, false, "store_kvcache keys", [&](auto* kp) {
+  with_typed<false>(key, "store_kvcache keys", [&](auto* kp) {
     using TS = std::remove_pointer_t<decltype(kp)>;
-    with_typed(k_cache, true, "store_kvcache cache", [&](auto* kc) {
+    with_typed<true>(k_cache, "store_kvcache cache", [&](auto* kc) {
       using TC = std::remove_pointer_t<decltype(kc)>;
       store_impl(kp, static_cast<const TS*>(value.data_ptr()), key.stride(0), value.stride(0), kc,
                  static_cast<TC*>(v_cache.data_ptr()), s, T, row, num_slots);

@@ -26,6 +26,25 @@ template <> inline c10::Float8_e5m2 from_f<c10::Float8_e5m2>(float x) {
   return static_cast<c10::Float8_e5m2>(std::min(std::max(x, -57344.f), 57344.f));
 }
 
+// Calls f with the data pointer of `t` typed by its dtype: activations and weights float32 / bfloat16
+// (CACHE false), KV caches also fp8 e4m3 / e5m2 (kv_cache_dtype). A compile-time CACHE: f is instantiated for
+// fp8 only where it can be called with it (the GEMM has no fp8 output, and a query is never fp8).
+template <bool CACHE, typename F>
+static void with_typed(const torch::Tensor& t, const char* what, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return f(t.data_ptr<float>());
+    case at::kBFloat16: return f(t.data_ptr<at::BFloat16>());
+    case at::kFloat8_e4m3fn:
+      if constexpr (CACHE) return f(static_cast<c10::Float8_e4m3fn*>(t.data_ptr()));
+      break;
+    case at::kFloat8_e5m2:
+      if constexpr (CACHE) return f(static_cast<c10::Float8_e5m2*>(t.data_ptr()));
+      break;
+    default: break;
+  }
+  TORCH_CHECK(false, what, ": float32 or bfloat16", CACHE ? " (or fp8 e4m3 / e5m2)" : "", ", got ", t.scalar_type());
+}
+
 // Where token t of a sequence lives: row (block * bs + offset), then KV head h.
 template <typename T>
 static inline const T* row_ptr(const T* cache, const int* table, int t, int bs, int Hkv, int h, int D) {
