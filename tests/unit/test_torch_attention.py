@@ -65,6 +65,49 @@ def test_torch_backend_matches_reference_float32(use_kernel, heads, case):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
+PREFILL_CASES = [
+    # (query_lens, seq_lens): prompts spanning several 64-key tiles and 256-token blocks, fresh and over a
+    # cached prefix; query tiles of 16 positions cut mid-prompt; a 2-token chunk at a block boundary
+    ([300, 17, 1], [300, 17, 40]),
+    ([150, 2, 65], [550, 258, 65]),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_cpu_prefill_kernel_matches_reference(case, heads, head_dim):
+    """The C++ prefill kernel (every prompt chunk of a step in one call) on queries laid out as the model
+    passes them: a view of the fused qkv output, rows contiguous at a wider row stride."""
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    num_heads, num_kv_heads = heads
+    query, k_cache, v_cache, metadata = make_batch(*case, num_heads, num_kv_heads, head_dim, 256, torch.float32)
+    fused = torch.randn(query.shape[0], (num_heads + 2 * num_kv_heads) * head_dim)
+    fused[:, : num_heads * head_dim] = query.reshape(query.shape[0], -1)
+    query = fused[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    assert not query.is_contiguous()
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, head_dim**-0.5)
+    got = TorchBackend().forward(query, k_cache, v_cache, metadata, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+                         + [(torch.float32, fp8) for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2)], ids=str)
+def test_cpu_prefill_kernel_narrow_types_match_the_torch_path(dtype, cache_dtype):
+    """bfloat16 queries, and float32 ones over a bfloat16 / fp8 cache (kv_cache_dtype): the kernel widens
+    each element as it reads it, and agrees with SDPA over the same (widened) cache."""
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    query, k_cache, v_cache, metadata = make_batch(*PREFILL_CASES[1], 9, 3, 64, 256, dtype)
+    k_cache, v_cache = k_cache.float().to(cache_dtype), v_cache.float().to(cache_dtype)
+    got = TorchBackend().forward(query, k_cache, v_cache, metadata, 0.125)
+    expected = TorchBackend(use_cpu_kernel=False).forward(query, k_cache, v_cache, metadata, 0.125)
+    assert got.dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_unwritten_cache_slots_are_never_read(use_kernel):
     """The CPU cache is allocated uninitialised: NaN in every slot past a sequence's length (its last block's
@@ -182,19 +225,22 @@ def test_float32_queries_over_a_narrower_cache_match_the_reference(use_kernel, c
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 def test_a_fresh_prompt_attends_to_its_keys_as_the_cache_holds_them(cache_dtype):
-    """Prefill without a cached prefix reads this step's keys directly (new_kv); under a narrower cache it must
-    round them as the cache does, so a prompt's output does not depend on whether its prefix was cached."""
+    """The torch path's prefill without a cached prefix reads this step's keys directly (new_kv); under a
+    narrower cache it must round them as the cache does, so a prompt's output does not depend on whether its
+    prefix was cached. (The C++ prefill kernel always reads the cache; it is compared with this path above.)"""
     query, k_cache, v_cache, metadata = make_batch([40], [40], 9, 3, 64, 256, torch.float32)
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     key, value = torch.randn(40, 3, 64), torch.randn(40, 3, 64)
     table = metadata.block_tables[0].tolist()
     slots = torch.tensor([table[t // 256] * 256 + t % 256 for t in range(40)])
-    backend = TorchBackend()
+    backend = TorchBackend(use_cpu_kernel=False)
     backend.store_kvcache(key, value, k_cache, v_cache, slots)
     from_cache = backend.forward(query, k_cache, v_cache, metadata, 0.125)  # no new_kv: reads the cache
-    direct = TorchBackend().forward(query, k_cache, v_cache, metadata, 0.125, new_kv=(key, value))
+    direct = TorchBackend(use_cpu_kernel=False).forward(query, k_cache, v_cache, metadata, 0.125, new_kv=(key, value))
     torch.testing.assert_close(direct, from_cache, atol=2e-6, rtol=1e-6)
-    unrounded = TorchBackend().forward(query, k_cache.float(), v_cache.float(), metadata, 0.125, new_kv=(key, value))
+    unrounded = TorchBackend(use_cpu_kernel=False).forward(
+        query, k_cache.float(), v_cache.float(), metadata, 0.125, new_kv=(key, value)
+    )
     assert not torch.allclose(unrounded, from_cache, atol=1e-4)  # the float32 keys would have differed
 
 

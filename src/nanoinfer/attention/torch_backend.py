@@ -29,6 +29,21 @@ class _StepPlan:
     decode_rows: torch.Tensor | None  # their rows in the token dimension; None when every sequence decodes
     decode_tables: torch.Tensor  # [num_decode, max_blocks] int32
     decode_lens: torch.Tensor  # [num_decode] int32
+    prefill_ids: list[int]  # sequences with more than one query token (prompt chunks)
+    _prefill_args: tuple[torch.Tensor, ...] | None = None  # the C++ prefill kernel's, built on first use
+
+    def prefill_args(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """(block tables, query starts, query lengths, sequence lengths) of the prompt chunks, int32."""
+        if self._prefill_args is None:
+            ids = self.prefill_ids
+            index = torch.tensor(ids, dtype=torch.long, device=metadata.block_tables.device)
+            self._prefill_args = (
+                metadata.block_tables[index].int(),
+                torch.tensor([self.starts[i] for i in ids], dtype=torch.int32),
+                torch.tensor([self.query_lens[i] for i in ids], dtype=torch.int32),
+                torch.tensor([self.seq_lens[i] for i in ids], dtype=torch.int32),
+            )
+        return self._prefill_args
 
     @classmethod
     def build(cls, metadata: AttentionMetadata, device: torch.device) -> _StepPlan:
@@ -40,8 +55,12 @@ class _StepPlan:
         else:
             starts = list(accumulate(query_lens, initial=0))
         decode_ids = [i for i, q in enumerate(query_lens) if q == 1]
+        prefill_ids = [i for i, q in enumerate(query_lens) if q > 1]
         if not decode_ids:  # a prefill-only step: nothing to select
-            return cls(query_lens, seq_lens, starts, decode_ids, None, metadata.block_tables[:0], metadata.seq_lens[:0])
+            return cls(
+                query_lens, seq_lens, starts, decode_ids, None, metadata.block_tables[:0], metadata.seq_lens[:0],
+                prefill_ids,
+            )
         if len(decode_ids) == len(query_lens):
             rows, tables, lens = None, metadata.block_tables, metadata.seq_lens
         else:
@@ -49,7 +68,7 @@ class _StepPlan:
             ids = torch.tensor(decode_ids, dtype=torch.long, device=metadata.block_tables.device)
             tables = metadata.block_tables[ids]
             lens = torch.tensor([seq_lens[i] for i in decode_ids], dtype=torch.int32, device=device)
-        return cls(query_lens, seq_lens, starts, decode_ids, rows, tables.int(), lens.int())
+        return cls(query_lens, seq_lens, starts, decode_ids, rows, tables.int(), lens.int(), prefill_ids)
 
 
 class TorchBackend:
@@ -95,12 +114,21 @@ class TorchBackend:
         out = torch.empty_like(query)
         if plan.decode_ids:
             self._decode(query, k_cache, v_cache, plan, scale, out)
-        if len(plan.decode_ids) < len(plan.query_lens):
-            for i, q_len in enumerate(plan.query_lens):
-                if q_len > 1:
-                    self._prefill_one(
-                        query, k_cache, v_cache, metadata, scale, i, plan.starts, q_len, plan.seq_lens[i], new_kv, out
-                    )
+        if not plan.prefill_ids:
+            return out
+        kernel = cpu_ops() if self.use_cpu_kernel and query.device.type == "cpu" else None
+        if (
+            kernel is not None and query.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_CACHE_DTYPES
+            and query.shape[-1] % 16 == 0 and k_cache.shape[1] % 64 == 0 and _rows_contiguous(query)
+        ):  # fmt: skip
+            # Every prompt chunk in one call, reading the keys this step just stored (csrc/prefill_attention.cpp).
+            kernel.paged_prefill(query, k_cache, v_cache, *plan.prefill_args(metadata), scale, out)
+            return out
+        for i in plan.prefill_ids:
+            self._prefill_one(
+                query, k_cache, v_cache, metadata, scale, i, plan.starts, plan.query_lens[i], plan.seq_lens[i], new_kv,
+                out,
+            )
         return out
 
     def _decode(self, query, k_cache, v_cache, plan: _StepPlan, scale, out):

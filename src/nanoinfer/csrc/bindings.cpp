@@ -3,6 +3,9 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                   torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens, double scale,
+                   torch::Tensor out);
 void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -18,6 +21,8 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
+  m.def("paged_prefill", &paged_prefill,
+        "causal prefill attention of every prompt chunk of a step, reading the paged cache in place, into out");
   m.def("store_kvcache", &store_kvcache, "key/value rows into their cache slots (-1 skipped)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension (float32)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (float32)");

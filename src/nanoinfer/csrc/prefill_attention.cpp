@@ -1,0 +1,280 @@
+// Paged prefill attention for CPU: every prompt chunk of a step in one call, reading its keys and values in
+// place from the paged cache (this step's rows are stored before attention runs, so a prompt with a cached
+// prefix and one without take the same path, and nothing is gathered into a copy).
+// Layouts as in reference.py: q and out [T, H_q, D] (rows contiguous, any row stride); caches
+// [num_blocks, block_size, H_kv, D]; the queries of chunk i are q[q_starts[i] : q_starts[i] + q_lens[i]], at
+// positions seq_lens[i] - q_lens[i] ... seq_lens[i] - 1, each attending to the keys at positions up to its own.
+//
+// The algorithm is flash attention's (tiles of queries against tiles of keys, a running max and sum per row,
+// so the score matrix is never materialised), shaped for GQA: the G query heads that share a KV head are
+// the rows of one work item, so every key tile packed is used by G x kQueryTile rows. Both products (scores =
+// Q K^T and out += P V) run through one 6 x 16 register tile, the GEMM's (csrc/gemm.cpp).
+//
+// Why our own: torch's SDPA took W's prefill attention (64 prompts of 32-256 tokens, 30 layers: one call per
+// prompt per layer, 1,920 calls) at ~23 GFLOP/s; see benchmarks/README.md for this kernel's figures.
+#include "simd.h"
+
+#include <array>
+#include <type_traits>
+
+namespace {
+
+constexpr int kQueryTile = 16;  // query positions per work item (x G heads = its rows)
+constexpr int kKeyTile = 64;    // keys per step; divides every block_size (a multiple of 256), so a key tile
+                                // is kKeyTile consecutive rows of one cache block
+constexpr int NR = 16;          // columns of the register tile
+constexpr int MR = 6;           // rows of the register tile
+
+#ifdef NANOINFER_AVX2
+// c[R x 16] (+)= a[R x kdim] * b[kdim x 16]; a row-major (lda), b's row k is 16 values at b + k * ldb (widened
+// from the cache's type). Named accumulators: with an array GCC spills them (see gemm.cpp).
+template <int R, bool ACC, typename TB>
+inline void tile(const float* __restrict a, int64_t lda, const TB* __restrict b, int64_t ldb, int kdim,
+                 float* __restrict c, int64_t ldc) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int k = 0; k < kdim; ++k) {
+    const __m256 b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
+    __m256 av;
+#define NANOINFER_ROW(r)                                       \
+  if constexpr (R > r) {                                       \
+    av = _mm256_broadcast_ss(a + r * lda + k);                 \
+    c##r##0 = _mm256_fmadd_ps(av, b0, c##r##0);                \
+    c##r##1 = _mm256_fmadd_ps(av, b1, c##r##1);                \
+  }
+    NANOINFER_ROW(0) NANOINFER_ROW(1) NANOINFER_ROW(2) NANOINFER_ROW(3) NANOINFER_ROW(4) NANOINFER_ROW(5)
+#undef NANOINFER_ROW
+  }
+  const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int r = 0; r < R; ++r) {
+    float* out = c + r * ldc;
+    if constexpr (ACC) {
+      _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), acc[r][0]));
+      _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), acc[r][1]));
+    } else {
+      _mm256_storeu_ps(out, acc[r][0]);
+      _mm256_storeu_ps(out + 8, acc[r][1]);
+    }
+  }
+}
+#else
+template <int R, bool ACC, typename TB>
+inline void tile(const float* a, int64_t lda, const TB* b, int64_t ldb, int kdim, float* c, int64_t ldc) {
+  float acc[MR][NR] = {};
+  for (int k = 0; k < kdim; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NR; ++j) acc[r][j] += a[r * lda + k] * to_f(b[k * ldb + j]);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) c[r * ldc + j] = ACC ? c[r * ldc + j] + acc[r][j] : acc[r][j];
+}
+#endif
+
+// R (at most MR) rows x 16 of c: tile<R> for a run-time R.
+template <bool ACC, typename TB>
+void tile_rows(int R, const float* a, int64_t lda, const TB* b, int64_t ldb, int kdim, float* c, int64_t ldc) {
+  switch (R) {
+    case 6: tile<6, ACC>(a, lda, b, ldb, kdim, c, ldc); break;
+    case 5: tile<5, ACC>(a, lda, b, ldb, kdim, c, ldc); break;
+    case 4: tile<4, ACC>(a, lda, b, ldb, kdim, c, ldc); break;
+    case 3: tile<3, ACC>(a, lda, b, ldb, kdim, c, ldc); break;
+    case 2: tile<2, ACC>(a, lda, b, ldb, kdim, c, ldc); break;
+    case 1: tile<1, ACC>(a, lda, b, ldb, kdim, c, ldc); break;
+    default: break;
+  }
+}
+
+// exp(s - m) in place for n values, zero from n to `padded`; returns their sum.
+inline float exp_shifted(float* s, int n, int padded, float m) {
+  float sum = 0.f;
+  int j = 0;
+#ifdef NANOINFER_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  sum = hsum(sum8);
+#endif
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  std::fill(s + n, s + padded, 0.f);
+  return sum;
+}
+
+// The largest of s[0, n).
+inline float max_of(const float* s, int n, float init) {
+  int j = 0;
+#ifdef NANOINFER_AVX2
+  __m256 m8 = _mm256_set1_ps(init);
+  for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  init = *std::max_element(lanes, lanes + 8);
+#endif
+  for (; j < n; ++j) init = std::max(init, s[j]);
+  return init;
+}
+
+struct Chunk {  // one sequence's queries in this step
+  int64_t q_start;  // first row in q / out
+  int q_len, seq_len;
+  const int* table;
+};
+
+// The keys of chunk c's KV head h, transposed in groups of 16: kt[g][d][j] = key 16 g + j, element d (zero
+// past the last key). Packed once per chunk and head, then read by all of its work items.
+template <typename TC>
+void pack_keys(const TC* kc, const Chunk& c, int h, int Hkv, int D, int bs, float* kt) {
+  const int64_t kv_stride = (int64_t)Hkv * D;
+  const int groups = (c.seq_len + NR - 1) / NR;
+  for (int g = 0; g < groups; ++g)
+    for (int j = 0; j < NR; ++j) {
+      float* dst = kt + (size_t)g * D * NR + j;
+      const int key = g * NR + j;
+      if (key < c.seq_len) {
+        const TC* src = kc + ((int64_t)c.table[key / bs] * bs + key % bs) * kv_stride + (int64_t)h * D;
+        for (int d = 0; d < D; ++d) dst[d * NR] = to_f(src[d]);
+      } else {
+        for (int d = 0; d < D; ++d) dst[d * NR] = 0.f;
+      }
+    }
+}
+
+// One work item: query positions [p0, p1) of chunk c (local to its queries) x the G heads of KV head h.
+// Rows are position-major: row r is position p0 + r / G, query head h * G + r % G. A register tile of rows
+// computes only the 16-key groups its last row can see: on the diagonal the rest would be masked anyway.
+template <typename TQ, typename TC>
+void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* out, int64_t out_stride,
+            const Chunk& c, int p0, int p1, int h, int G, int Hkv, int D, int bs, float scale,
+            std::vector<float>& work) {
+  const int rows = (p1 - p0) * G;
+  const int64_t kv_stride = (int64_t)Hkv * D;  // elements from one token's cache row to the next
+  work.resize((size_t)rows * D * 2 + (size_t)rows * kKeyTile + 2 * (size_t)rows);
+  float* Q = work.data();            // [rows, D], scaled
+  float* O = Q + (size_t)rows * D;   // [rows, D], unnormalised
+  float* S = O + (size_t)rows * D;   // [rows, kKeyTile]: scores, then probabilities
+  float* m = S + (size_t)rows * kKeyTile;  // running max per row
+  float* l = m + rows;                     // running sum per row
+  const int first_pos = c.seq_len - c.q_len;  // absolute position of the chunk's first query
+  auto pos = [&](int r) { return first_pos + p0 + r / G; };
+  for (int r = 0; r < rows; ++r) {
+    const TQ* src = q + (c.q_start + p0 + r / G) * q_stride + (int64_t)(h * G + r % G) * D;
+    for (int d = 0; d < D; ++d) Q[(size_t)r * D + d] = to_f(src[d]) * scale;
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(O, O + (size_t)rows * D, 0.f);
+  const int keys = pos(rows - 1) + 1;  // the last row sees keys [0, keys)
+  for (int k0 = 0; k0 < keys; k0 += kKeyTile) {
+    const int n = std::min(kKeyTile, keys - k0);
+    const int64_t row0 = (int64_t)c.table[k0 / bs] * bs + k0 % bs;  // the tile's first cache row
+    const TC* vbase = vc + row0 * kv_stride + (int64_t)h * D;
+    for (int r0 = 0; r0 < rows; r0 += MR) {
+      const int R = std::min(MR, rows - r0);
+      const int seen = std::min(n, pos(r0 + R - 1) + 1 - k0);  // keys of this tile the tile's rows can see
+      if (seen <= 0) continue;
+      const int groups = (seen + NR - 1) / NR;
+      for (int g = 0; g < groups; ++g)
+        tile_rows<false>(R, Q + (size_t)r0 * D, D, kt + ((size_t)k0 / NR + g) * D * NR, NR, D,
+                         S + (size_t)r0 * kKeyTile + g * NR, kKeyTile);
+      // Online softmax; a row's keys past its own position get probability 0.
+      for (int r = r0; r < r0 + R; ++r) {
+        float* sr = S + (size_t)r * kKeyTile;
+        const int valid = std::min(n, pos(r) + 1 - k0);
+        if (valid <= 0) {
+          std::fill(sr, sr + seen, 0.f);
+          continue;
+        }
+        const float mx = max_of(sr, valid, m[r]);
+        const float alpha = std::exp(m[r] - mx);  // 0 on the first tile (m = -inf)
+        l[r] = l[r] * alpha + exp_shifted(sr, valid, seen, mx);
+        m[r] = mx;
+        if (alpha != 1.f)
+          for (int d = 0; d < D; ++d) O[(size_t)r * D + d] *= alpha;
+      }
+      for (int d0 = 0; d0 < D; d0 += NR)
+        tile_rows<true>(R, S + (size_t)r0 * kKeyTile, kKeyTile, vbase + d0, kv_stride, seen, O + (size_t)r0 * D + d0, D);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    TQ* dst = out + (c.q_start + p0 + r / G) * out_stride + (int64_t)(h * G + r % G) * D;
+    const float inv = 1.f / l[r];
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<TQ>(O[(size_t)r * D + d] * inv);
+  }
+}
+
+}  // namespace
+
+void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                   torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens, double scale,
+                   torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill: query rows");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "paged_prefill: out like the queries");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "paged_prefill: out in the queries' dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_prefill: contiguous key and value caches of one dtype");
+  const int Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0 && bs % kKeyTile == 0 && D % NR == 0,
+              "paged_prefill: head sizes, or a block size not a multiple of 64");
+  const auto tables = block_tables.contiguous(), starts = q_starts.contiguous();
+  const auto qlens = q_lens.contiguous(), lens = seq_lens.contiguous();
+  const int n = starts.numel(), mb = tables.size(1);
+  TORCH_CHECK(qlens.numel() == n && lens.numel() == n && tables.size(0) == n, "paged_prefill: one row per chunk");
+  std::vector<Chunk> chunks(n);
+  std::vector<std::array<int, 3>> items;  // (chunk, first position, KV head)
+  for (int i = 0; i < n; ++i) {  // checked here: nothing may throw inside the parallel loop
+    chunks[i] = {starts.data_ptr<int>()[i], qlens.data_ptr<int>()[i], lens.data_ptr<int>()[i],
+                 tables.data_ptr<int>() + (size_t)i * mb};
+    const Chunk& c = chunks[i];
+    TORCH_CHECK(c.q_len >= 1 && c.q_len <= c.seq_len && (c.seq_len + bs - 1) / bs <= mb &&
+                    c.q_start + c.q_len <= q.size(0),
+                "paged_prefill: chunk ", i, " out of range");
+    for (int p = 0; p < c.q_len; p += kQueryTile)
+      for (int h = 0; h < Hkv; ++h) items.push_back({i, p, h});
+  }
+  // Every chunk's keys, transposed (pack_keys), in one buffer reused across calls on the calling thread (a
+  // fresh one would be page-faulted in on every layer).
+  std::vector<int64_t> kt_offsets(n), kt_sizes(n);
+  int64_t kt_total = 0;
+  for (int i = 0; i < n; ++i) {
+    kt_sizes[i] = (int64_t)(chunks[i].seq_len + NR - 1) / NR * NR * D;
+    kt_offsets[i] = kt_total;
+    kt_total += kt_sizes[i] * Hkv;
+  }
+  static thread_local std::vector<float> kt_buffer;
+  if ((int64_t)kt_buffer.size() < kt_total) kt_buffer.resize(kt_total);
+  float* keys_t = kt_buffer.data();
+  // The longest items first (the last positions of the longest prompts see the most keys), so the dynamic
+  // schedule does not end on one thread working through a long item alone.
+  std::stable_sort(items.begin(), items.end(), [&](const auto& x, const auto& y) {
+    return chunks[x[0]].seq_len - chunks[x[0]].q_len + x[1] > chunks[y[0]].seq_len - chunks[y[0]].q_len + y[1];
+  });
+  with_typed<false>(q, "paged_prefill queries", [&](auto* qp) {
+    using TQ = std::remove_pointer_t<decltype(qp)>;
+    with_typed<true>(k_cache, "paged_prefill cache", [&](auto* kp) {
+      using TC = std::remove_pointer_t<decltype(kp)>;
+      const TC* vp = static_cast<const TC*>(v_cache.data_ptr());
+      TQ* op = out.data_ptr<TQ>();
+      #pragma omp parallel
+      {
+        #pragma omp for schedule(dynamic, 1)
+        for (int ih = 0; ih < n * Hkv; ++ih)
+          pack_keys(kp, chunks[ih / Hkv], ih % Hkv, Hkv, D, bs, keys_t + kt_offsets[ih / Hkv] + (ih % Hkv) * kt_sizes[ih / Hkv]);
+        // (implicit barrier: every chunk's keys are packed before any item reads them)
+        std::vector<float> work;
+        #pragma omp for schedule(dynamic, 1)
+        for (size_t it = 0; it < items.size(); ++it) {
+          const auto [i, p0, h] = items[it];
+          const Chunk& c = chunks[i];
+          attend(qp, q.stride(0), keys_t + kt_offsets[i] + h * kt_sizes[i], vp, op, out.stride(0), c, p0,
+                 std::min(c.q_len, p0 + kQueryTile), h, Hq / Hkv, Hkv, D, bs, (float)scale, work);
+        }
+      }
+    });
+  });
+}
