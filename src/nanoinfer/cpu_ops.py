@@ -1,7 +1,7 @@
-"""nanoinfer's CPU kernels (csrc/: paged decode attention, RMSNorm, rotary, SiLU-and-mul), compiled once per
-machine with torch's C++ extension builder and cached (~/.cache/torch_extensions). Where no compiler is
-available every caller falls back to plain torch ops, after one warning; NANOINFER_DISABLE_CPU_KERNELS=1
-forces that fallback (the tests use it to check both paths)."""
+"""nanoinfer's CPU kernels (csrc/: paged decode and prefill attention, the GEMM, RMSNorm, rotary, SiLU-and-mul),
+compiled once per machine with torch's C++ extension builder and cached (~/.cache/torch_extensions). Where no
+compiler is available every caller falls back to plain torch ops, after one warning;
+NANOINFER_DISABLE_CPU_KERNELS=1 forces that fallback (the tests use it to check both paths)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Decode sequences (query_len 1) go to the C++ kernel of cpu_ops.py on CPU (reads the cache in place),
 elsewhere to one batched matmul over their gathered slots;
-prefill chunks go one sequence at a time through SDPA (reading this step's keys directly when the
+prefill chunks go, on CPU, to the C++ prefill kernel (all of a step's chunks in one call, reading the cache
+in place), elsewhere one sequence at a time through SDPA (reading this step's keys directly when the
 sequence has no cached prefix). Checked against reference.py in the tests.
 """
 
