@@ -93,6 +93,31 @@ def test_greedy_matches_transformers(tiny_model_dirs, references, family, regime
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_fused_cpu_decode_is_bit_identical_to_the_layer_loop(tiny_model_dirs, references, family, monkeypatch):
+    """Pure-decode steps run every layer in one C++ call where they can (model/cpu_decode.py: Llama and Qwen2
+    here, not Qwen3's q/k norms): the same kernels in the same order, so the same tokens as transformers and
+    the same log-probabilities, to the bit, as the per-layer path."""
+    from nanoinfer.model.cpu_decode import FusedDecode
+
+    prompts, expected, _ = references[family, "mixed"]
+    params = SamplingParams(temperature=0, max_tokens=NUM_REFERENCE_TOKENS, ignore_eos=True, logprobs=3)
+    settings = dict(device="cpu", dtype="float32", max_model_len=512, cpu_kvcache_space_gib=0.25)
+    llm = LLM(str(tiny_model_dirs[family]), **settings)
+    calls = []
+    original = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or original(self, *a))
+    fused = llm.generate(prompts, params)
+    assert [out.token_ids for out in fused] == expected
+    vectorized = cpu_ops() is not None and cpu_ops().vectorized
+    assert bool(calls) == (vectorized and family != "qwen3")  # every decode step, where the path applies
+    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda model, kv_caches: False))
+    looped = LLM(str(tiny_model_dirs[family]), **settings).generate(prompts, params)
+    assert [out.token_ids for out in looped] == expected
+    for a, b in zip(fused, looped):
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_mlp_row_chunks_match_transformers(tiny_model_dirs, references, family, monkeypatch):
     """A long prefill's MLP runs in row chunks on CPU (decoder.CPU_MLP_CHUNK_BYTES); at the 64-row floor
     the 2,052-token step of 16 prompts runs in 33 chunks, the last of 4 rows, and must not change a token."""

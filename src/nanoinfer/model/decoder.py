@@ -12,6 +12,7 @@ from torch import nn
 from nanoinfer.attention.backend import AttentionBackend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.distributed import get_tp_size
+from nanoinfer.model.cpu_decode import FusedDecode
 from nanoinfer.model.layers import (
     ParallelLMHead,
     RMSNorm,
@@ -124,13 +125,25 @@ class DecoderModel(nn.Module):
             DecoderLayer(hf_config, backend, rotary) for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self._fused: tuple | None = None  # (kv_caches, FusedDecode or None): see _fused_decode
 
     def forward(self, input_ids, positions, kv_caches, metadata):
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
+        fused = self._fused_decode(kv_caches) if metadata.is_pure_decode and input_ids.device.type == "cpu" else None
+        if fused is not None:  # every layer in one C++ call, same kernels and bits (model/cpu_decode.py)
+            hidden_states, residual = fused.run(hidden_states, positions, metadata)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _fused_decode(self, kv_caches) -> FusedDecode | None:
+        """The CPU fused decode path for these KV caches (decided once per cache list), or None."""
+        if self._fused is None or self._fused[0] is not kv_caches:
+            fused = FusedDecode(self, kv_caches) if FusedDecode.applies(self, kv_caches) else None
+            self._fused = (kv_caches, fused)  # holds the caches until the next list (the runner keeps one)
+        return self._fused[1]
 
 
 class CausalLM(nn.Module):
