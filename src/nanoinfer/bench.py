@@ -426,6 +426,11 @@ def machine_info(device: str) -> dict:
         "nanoinfer_revision": source_revision(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if device == "cpu":
+        from nanoinfer.cpu_ops import cpu_ops
+
+        ops = cpu_ops()
+        info["cpu_kernels"] = getattr(ops, "simd", "built") if ops is not None else "unavailable (torch ops)"
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda

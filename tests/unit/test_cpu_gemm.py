@@ -11,6 +11,7 @@ from torch import nn
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.model.cpu_gemm import (
     gated_linear,
+    has_native_bfloat16_matmul,
     linear,
     onednn_prepack_supported,
     pack_weight,
@@ -148,12 +149,14 @@ def test_gated_linear_runs_bfloat16_with_float32_sums():
     torch.testing.assert_close(out, (F.silu(gate) * up).bfloat16(), rtol=1e-2, atol=1e-2)
 
 
-def test_float32_uses_the_panels_kernel_where_it_is_vectorized():
+def test_each_dtype_gets_the_fastest_packed_kernel_this_cpu_runs():
     ops = cpu_ops()
     expected = "panels" if ops is not None and ops.vectorized else ("onednn" if onednn_prepack_supported(
         torch.float32) else None)  # fmt: skip
     assert packing_kind(torch.float32) == expected
-    if expected == "panels":
+    if has_native_bfloat16_matmul() and onednn_prepack_supported(torch.bfloat16):
+        assert packing_kind(torch.bfloat16) == "onednn"  # AMX / AVX512-BF16 through oneDNN
+    elif expected == "panels":
         assert packing_kind(torch.bfloat16) == "panels"  # widened to float32 in registers
     assert packing_kind(torch.float16) != "panels"
 

@@ -49,4 +49,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("vectorized") = false;
 #endif
+  // The widest vector code the build uses (the GEMM's tile; the other kernels are AVX2 at most).
+#if defined(NANOINFER_AVX512)
+  m.attr("simd") = "avx512";
+#elif defined(NANOINFER_AVX2)
+  m.attr("simd") = "avx2";
+#else
+  m.attr("simd") = "none";
+#endif
 }

@@ -9,7 +9,8 @@
 //   kernel streams it sequentially and every 64-byte line feeds 16 columns;
 // - x is repacked per call into 6-row blocks, k-major, so the 6 broadcasts of a k-step are adjacent;
 // - a 6 x 16 register tile: 12 accumulators + 2 weight vectors + 1 broadcast = 15 of the 16 ymm registers,
-//   6 broadcasts and 2 loads per 12 FMAs, so the FMA ports, not the loads, set the pace;
+//   6 broadcasts and 2 loads per 12 FMAs, so the FMA ports, not the loads, set the pace; built for
+//   AVX-512, a 12 x 32 tile over two panels instead (24 of the 32 zmm registers accumulate), same bits;
 // - rows go in chunks of 120, each packed just before use, so a chunk of x (120 x K floats) stays in L2
 //   while the panels stream past it; threads claim runs of consecutive panels that shorten towards the
 //   end (a core slowed by a neighbour takes fewer), so each knows the panel it runs next;
@@ -27,8 +28,17 @@
 
 namespace {
 
-constexpr int NR = 16;        // output columns per panel (two ymm vectors)
+constexpr int NR = 16;        // output columns per panel (two ymm vectors, or one zmm)
+#ifdef NANOINFER_AVX512
+// AVX-512: a tile is 12 rows of two panels side by side (24 zmm accumulators, 2 weight vectors and a
+// broadcast of the 32 registers): 12 broadcasts and 2 loads per 24 FMAs, twice the AVX2 tile's work per
+// instruction. Each lane sums in the same order as the AVX2 tile's, so the two give the same bits.
+constexpr int MR = 12;
+constexpr int NP = 2;         // panels per register tile
+#else
 constexpr int MR = 6;         // rows per register tile
+constexpr int NP = 1;
+#endif
 constexpr int64_t MC = 120;   // rows per chunk of x kept in L2
 constexpr int64_t RUN_DIV = 2;  // a thread's run of panels: 1 / (RUN_DIV * threads) of those left...
 constexpr int64_t MIN_RUN = 2;  // ...and at least this many
@@ -47,12 +57,82 @@ struct Prefetch {
 inline float store_as(float x, float*) { return x; }
 inline at::BFloat16 store_as(float x, at::BFloat16*) { return static_cast<at::BFloat16>(x); }
 
-#ifdef NANOINFER_AVX2
-// GATED: the panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight), and the tile
-// stores silu(gate) * up: 8 outputs a row, `ncols` of them valid.
-template <int R, bool GATED, typename W, typename O>
+#if defined(NANOINFER_AVX512)
+// R rows of NPT (1 or 2) consecutive panels: panel j's weights at b + j * K * NR, its outputs at
+// c + j * COLS (COLS = 8 gated, else 16), `ncols[j]` of them valid, its bias at bias + j * NR.
+// GATED: a panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight), and the tile
+// stores silu(gate) * up, the low and high halves of one accumulator.
+template <int R, int NPT, bool GATED, typename W, typename O>
 inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
-                 int ncols, const float* __restrict bias, Prefetch pf) {
+                 const int* ncols, const float* __restrict bias, Prefetch pf) {
+  const W* __restrict b1 = b + K * NR;
+  // Named accumulators, not an array: with an array GCC keeps them on the stack.
+  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0;
+  __m512 c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
+  __m512 c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0;
+  __m512 c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0, c11_1 = c0_0;
+  const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
+  uint64_t pf_pos = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
+    pf_pos += pf.step;
+    const __m512 w0 = load16(b + k * NR);
+    const __m512 w1 = NPT == 2 ? load16(b1 + k * NR) : w0;
+    const float* ak = a + k * R;
+#define NANOINFER_ROW(r)                                                            \
+  if constexpr (R > r) {                                                            \
+    const __m512 av = _mm512_set1_ps(ak[r]);                                        \
+    c##r##_0 = _mm512_fmadd_ps(av, w0, c##r##_0);                                   \
+    if constexpr (NPT == 2) c##r##_1 = _mm512_fmadd_ps(av, w1, c##r##_1);           \
+  }
+    NANOINFER_ROW(0) NANOINFER_ROW(1) NANOINFER_ROW(2) NANOINFER_ROW(3) NANOINFER_ROW(4) NANOINFER_ROW(5)
+    NANOINFER_ROW(6) NANOINFER_ROW(7) NANOINFER_ROW(8) NANOINFER_ROW(9) NANOINFER_ROW(10) NANOINFER_ROW(11)
+#undef NANOINFER_ROW
+  }
+  const __m512 acc[MR][2] = {{c0_0, c0_1}, {c1_0, c1_1}, {c2_0, c2_1}, {c3_0, c3_1},   {c4_0, c4_1},   {c5_0, c5_1},
+                             {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1}};
+  constexpr int COLS = GATED ? NR / 2 : NR;
+  for (int j = 0; j < NPT; ++j) {
+    const int n = ncols[j];
+    if constexpr (GATED) {  // no bias: the gated MLPs nanoinfer runs have none (packed_linear refuses one)
+      for (int r = 0; r < R; ++r) {
+        const __m256 y = silu_mul8(low8(acc[r][j]), high8(acc[r][j]));
+        O* out = c + r * ldc + j * COLS;
+        if constexpr (std::is_same_v<O, float>) {
+          if (n == COLS) {
+            _mm256_storeu_ps(out, y);
+            continue;
+          }
+        }
+        alignas(32) float row[COLS];
+        _mm256_store_ps(row, y);
+        for (int i = 0; i < n; ++i) out[i] = store_as(row[i], out);
+      }
+      continue;
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias + j * NR) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 y = _mm512_add_ps(acc[r][j], bias_v);
+      O* out = c + r * ldc + j * COLS;
+      if constexpr (std::is_same_v<O, float>) {
+        _mm512_mask_storeu_ps(out, mask, y);
+      } else {
+        alignas(64) float row[NR];
+        _mm512_store_ps(row, y);
+        for (int i = 0; i < n; ++i) out[i] = store_as(row[i], out);
+      }
+    }
+  }
+}
+#elif defined(NANOINFER_AVX2)
+// GATED: the panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight), and the tile
+// stores silu(gate) * up: 8 outputs a row, `ncols` of them valid. One panel a tile (NPT 1).
+template <int R, int NPT, bool GATED, typename W, typename O>
+inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
+                 const int* ncols_of, const float* __restrict bias, Prefetch pf) {
+  static_assert(NPT == 1, "the AVX2 tile covers one panel");
+  const int ncols = ncols_of[0];
   // Named accumulators, not an array: with an array GCC spills all twelve to the stack every k-step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -109,8 +189,11 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
   }
 }
 #else
-template <int R, bool GATED, typename W, typename O>
-inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, const float* bias, Prefetch) {
+template <int R, int NPT, bool GATED, typename W, typename O>
+inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* ncols_of, const float* bias,
+                 Prefetch) {
+  static_assert(NPT == 1, "the plain tile covers one panel");
+  const int ncols = ncols_of[0];
   float acc[MR][NR] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < R; ++r)
@@ -123,15 +206,26 @@ inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int n
 }
 #endif
 
-// rows x 16 outputs of one panel; x's rows are packed in MR-row blocks (the last may be shorter). `next` is
-// the panel this thread runs after this one (or null), prefetched evenly over all of this panel's tiles:
-// the first tile alone would ask DRAM for a line per k-step, faster than a core's share of the bandwidth.
-template <bool GATED, typename W, typename O>
-void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, int64_t rows, const float* bias,
-           const W* next) {
+// Calls tile<r> for the last r < MR rows of a panel (r from 1 to MR - 1; nothing for 0).
+template <int R, int NPT, bool GATED, typename W, typename O>
+inline void tail_tile(int r, const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* ncols,
+                      const float* bias, Prefetch pf) {
+  if constexpr (R > 0) {
+    if (r == R) return tile<R, NPT, GATED>(a, b, K, c, ldc, ncols, bias, pf);
+    tail_tile<R - 1, NPT, GATED>(r, a, b, K, c, ldc, ncols, bias, pf);
+  }
+}
+
+// rows x NPT panels' outputs; x's rows are packed in MR-row blocks (the last may be shorter). `next` is the
+// first of the `next_panels` panels this thread runs after these (or null), prefetched evenly over all of
+// these panels' tiles: the first tile alone would ask DRAM for a line per k-step, faster than a core's share
+// of the bandwidth.
+template <int NPT, bool GATED, typename W, typename O>
+void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* ncols, int64_t rows,
+           const float* bias, const W* next, int next_panels) {
   const int64_t tiles = (rows + MR - 1) / MR;
-  const int64_t lines = next ? (K * NR * (int64_t)sizeof(W) + 63) / 64 : 0;
-  auto share = [&](int64_t t) {  // tile t's lines of the next panel
+  const int64_t lines = next ? (next_panels * K * NR * (int64_t)sizeof(W) + 63) / 64 : 0;
+  auto share = [&](int64_t t) {  // tile t's lines of the next panels
     const int64_t first = lines * t / tiles, last = lines * (t + 1) / tiles;
     Prefetch pf;
     if (last > first) {
@@ -141,18 +235,8 @@ void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, int ncols, 
     return pf;
   };
   int64_t m = 0;
-  for (; m + MR <= rows; m += MR) tile<MR, GATED>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR));
-  const float* at = a + m * K;
-  O* ct = c + m * ldc;
-  const Prefetch pf = share(m / MR);
-  switch (rows - m) {
-    case 5: tile<5, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 4: tile<4, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 3: tile<3, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 2: tile<2, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    case 1: tile<1, GATED>(at, b, K, ct, ldc, ncols, bias, pf); break;
-    default: break;
-  }
+  for (; m + MR <= rows; m += MR) tile<MR, NPT, GATED>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR));
+  tail_tile<MR - 1, NPT, GATED>((int)(rows - m), a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR));
 }
 
 }  // namespace
@@ -245,15 +329,26 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
       } while (!cursor.compare_exchange_weak(start, start + len, std::memory_order_relaxed));
       return start - first;
     };
+    // Within a run, panels go NP at a time (one register tile spans them), the last one alone if left over.
     int64_t len = 0, p0 = claim(len);
     while (p0 >= 0) {
       int64_t next_len = 0, next_p0 = -1;
-      for (int64_t p = p0; p < p0 + len; ++p) {
-        int64_t next = p + 1;
-        if (next == p0 + len) next = next_p0 = claim(next_len);
-        const int ncols = (int)std::min<int64_t>(COLS, N - p * COLS);
-        panel<GATED>(a, b + p * K * NR, K, c + m0 * N + p * COLS, N, ncols, rows, bias ? bias + p * NR : nullptr,
-                     next >= 0 ? b + next * K * NR : nullptr);
+      for (int64_t p = p0; p < p0 + len;) {
+        const int n = (int)std::min<int64_t>(NP, p0 + len - p);
+        int64_t next = p + n, next_end = p0 + len;
+        if (next == p0 + len) next = next_p0 = claim(next_len), next_end = next + next_len;
+        const int next_panels = next >= 0 ? (int)std::min<int64_t>(NP, next_end - next) : 0;
+        int ncols[NP];
+        for (int j = 0; j < n; ++j) ncols[j] = (int)std::min<int64_t>(COLS, N - (p + j) * COLS);
+        const T* bp = b + p * K * NR;
+        T* cp = c + m0 * N + p * COLS;
+        const float* biasp = bias ? bias + p * NR : nullptr;
+        const T* nextp = next >= 0 ? b + next * K * NR : nullptr;
+        if (NP == 2 && n == 2)
+          panel<NP, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels);
+        else
+          panel<1, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels);
+        p += n;
       }
       p0 = next_p0, len = next_len;
     }

@@ -11,6 +11,10 @@
 #include <immintrin.h>
 #define NANOINFER_AVX2 1
 #endif
+// AVX-512 (Intel Skylake-SP and later, AMD Zen 4): the GEMM's register tile doubles in width (csrc/gemm.cpp).
+#if defined(NANOINFER_AVX2) && defined(__AVX512F__)
+#define NANOINFER_AVX512 1
+#endif
 
 template <typename T> static inline float to_f(T x);
 template <> inline float to_f<float>(float x) { return x; }
@@ -80,6 +84,16 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
   const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
   return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
 }
+
+#ifdef NANOINFER_AVX512
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m256 low8(__m512 v) { return _mm512_castps512_ps256(v); }
+static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+#endif
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
