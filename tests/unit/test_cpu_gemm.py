@@ -3,12 +3,14 @@ packing does to the model's weights."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.cpu_ops import cpu_ops, keep_freed_memory_for_reuse
 from nanoinfer.model.cpu_gemm import (
     gated_linear,
     has_native_bfloat16_matmul,
@@ -204,3 +206,12 @@ def test_no_packed_kernel_leaves_layers_on_f_linear(monkeypatch):
     monkeypatch.setattr("nanoinfer.model.cpu_gemm.packing_kind", lambda dtype: None)
     assert prepack_linear_weights(model) == 0
     assert model.up.packed_weight is None and model.up.weight.shape == (48, 16)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_malloc_keeps_large_freed_blocks_on_glibc():
+    assert keep_freed_memory_for_reuse()
+    # a large tensor freed and allocated again still works (the setting only changes where memory comes from)
+    for _ in range(2):
+        x = torch.ones(64 << 20, dtype=torch.uint8)
+        assert int(x.sum()) == 64 << 20

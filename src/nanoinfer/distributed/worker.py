@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.cpu_ops import keep_freed_memory_for_reuse
 from nanoinfer.distributed import set_tensor_parallel
 from nanoinfer.engine.model_runner import ModelRunner
 
@@ -110,6 +111,7 @@ def _build_runner(args: WorkerArgs) -> ModelRunner:
         torch.cuda.set_device(args.rank)
     else:
         torch.set_num_threads(args.num_threads)
+        keep_freed_memory_for_reuse()
     store = dist.TCPStore("127.0.0.1", args.store_port, args.tp_size, is_master=False,
                           timeout=timedelta(seconds=args.timeout_s))
     dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.tp_size,

@@ -12,6 +12,7 @@ import torch
 
 from nanoinfer import memory
 from nanoinfer.config import Config
+from nanoinfer.cpu_ops import keep_freed_memory_for_reuse
 from nanoinfer.distributed.executor import TensorParallelExecutor
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import ModelRunner, kv_cache_dtype_of
@@ -85,8 +86,10 @@ def _is_decode(seq: Sequence, num_new: int) -> bool:
 
 
 def _set_threads(config: Config) -> None:
+    """CPU process setup: the thread count, and malloc keeping large freed blocks (cpu_ops)."""
     if config.device != "cpu":
         return
+    keep_freed_memory_for_reuse()
     threads = config.num_threads or _physical_cores()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
