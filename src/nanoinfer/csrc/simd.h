@@ -91,6 +91,11 @@ static inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+template <typename T>  // fp8: two 8-lane widenings
+static inline __m512 load16(const T* p) {
+  const __m256d lo = _mm256_castps_pd(load8(p)), hi = _mm256_castps_pd(load8(p + 8));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
+}
 static inline __m256 low8(__m512 v) { return _mm512_castps512_ps256(v); }
 static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 #endif
