@@ -92,6 +92,45 @@ def test_layers_fall_back_to_torch_without_kernels(monkeypatch):
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate_up[:, :16]) * gate_up[:, 16:])
 
 
+def _bf16_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Fraction of elements that differ; those that do differ by about a bfloat16 step (a step of the
+    rounded intermediate, scaled by what multiplies it after, e.g. RMSNorm's weight)."""
+    assert actual.dtype == expected.dtype == torch.bfloat16 and actual.shape == expected.shape
+    diff = (actual.float() - expected.float()).abs()
+    assert bool(torch.all(diff <= expected.float().abs() * 2**-6)), "more than a bfloat16 step apart"
+    return float((diff > 0).float().mean())
+
+
+def test_bfloat16_kernels_round_as_the_torch_formulas(monkeypatch, tiny_hf_config):
+    """In bfloat16 the C++ RMSNorm (plain and fused with the residual add), SiLU-and-mul and rotary round
+    where the torch ops (HF's modules) round: all but a rare element equal (the float32 sum of squares in
+    another order), none more than a step apart."""
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen))
+    x, residual = (torch.randn(37, 576, generator=gen) * 3).bfloat16(), torch.randn(37, 576, generator=gen).bfloat16()
+    gate_up = (torch.randn(37, 2 * 100, generator=gen) * 4).bfloat16()
+    rotary = RotaryEmbedding(tiny_hf_config, 64, max_position=300)
+    qkv = torch.randn(7, (4 + 2 * 2) * 64, generator=gen).bfloat16()
+    positions = torch.tensor([0, 1, 5, 64, 100, 255, 299])
+
+    @torch.no_grad()
+    def run():
+        plain = norm(x.clone())
+        fused, fused_res = norm(x.clone(), residual.clone())
+        q, k = qkv.clone()[:, : 4 * 64].view(7, 4, 64), qkv.clone()[:, 4 * 64 : 6 * 64].view(7, 2, 64)
+        rq, rk = rotary(positions, q, k)
+        return [plain, fused, fused_res, silu_and_mul(gate_up), rq, rk]
+
+    kernel = run()
+    monkeypatch.setattr(layers, "cpu_ops", lambda: None)
+    reference = run()
+    assert torch.equal(kernel[2], reference[2])  # the residual sum: one rounding, exact
+    rates = [_bf16_mismatch(a, b) for a, b in zip(kernel, reference)]
+    assert max(rates) < 0.01, rates
+
+
 @pytest.fixture
 def tiny_hf_config():
     from transformers import LlamaConfig

@@ -1,8 +1,10 @@
-// Fused elementwise ops for the CPU decoder layer, float32 (other dtypes stay on the torch ops).
+// Fused elementwise ops for the CPU decoder layer, float32 and bfloat16 (other dtypes stay on the torch ops).
 // Each torch op of RMSNorm, rotary and SiLU-and-mul is a full pass over the activations plus a dispatch;
 // in a 64-sequence decode step they cost ~10% of the step and in a long prefill ~25% (the passes over
 // [tokens, intermediate] tensors leave the cache). Here each is one pass, rows split across torch's threads.
-// Numerics follow the Hugging Face modules (float32 throughout), up to summation order.
+// Numerics follow the Hugging Face modules (float32 throughout), up to summation order. In bfloat16 each
+// step is rounded where the Hugging Face modules' bfloat16 ops round it (the `rnd` calls), so the two agree
+// but for a rare last-bit difference from summation order.
 #include "simd.h"
 #include <ATen/Parallel.h>
 
@@ -39,10 +41,122 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must have contiguous rows");
 }
 
+// --- bfloat16: a float32 value rounded as a bfloat16 torch op's result is (to nearest even).
+using bf16 = at::BFloat16;
+inline float rnd(float x) { return static_cast<float>(static_cast<bf16>(x)); }
+
+#ifdef NANOINFER_AVX2
+// 8 floats rounded to bfloat16 (to nearest even; finite inputs), kept as floats; and stored as bfloat16.
+inline __m256 rnd8(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store8(bf16* p, __m256 rounded) {
+  const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+#endif
+
+// out = rnd(weight * rnd(x * rsqrt(mean(x^2) + eps))): HF's RMSNorm in bfloat16 (norm in float32, cast, scale).
+inline void normalize_row_bf16(const bf16* x, const bf16* weight, bf16* out, int64_t n, float eps) {
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef NANOINFER_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  total = hsum(acc);
+#endif
+  for (; i < n; ++i) total += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float inv = 1.f / std::sqrt(total / n + eps);
+  i = 0;
+#ifdef NANOINFER_AVX2
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8) store8(out + i, rnd8(_mm256_mul_ps(load8(weight + i), rnd8(_mm256_mul_ps(load8(x + i), inv8)))));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<bf16>(static_cast<float>(weight[i]) * rnd(static_cast<float>(x[i]) * inv));
+}
+
+void check_rows_bf16(const torch::Tensor& t, const torch::Tensor& weight, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have contiguous rows");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "a bfloat16 ", name, " needs a bfloat16 weight");
+}
+
 }  // namespace
+
+// bfloat16 rms_norm / fused_add_rms_norm (dispatched to from the float32 entry points below).
+static torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows_bf16(x, weight, "x");
+  auto rows = x.reshape({-1, x.size(-1)});
+  auto out = torch::empty({rows.size(0), rows.size(1)}, x.options());
+  const int64_t n = rows.size(1), stride = rows.stride(0);
+  const bf16* xp = rows.data_ptr<bf16>();
+  const auto w = weight.contiguous();
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, rows.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) normalize_row_bf16(xp + r * stride, wp, op + r * n, n, (float)eps);
+  });
+  return out.view(x.sizes());
+}
+
+static void fused_add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_rows_bf16(x, weight, "x");
+  const int64_t n = x.size(-1), T = x.numel() / n;
+  bf16* xp = x.data_ptr<bf16>();
+  bf16* rp = residual.data_ptr<bf16>();
+  const auto w = weight.contiguous();
+  const bf16* wp = w.data_ptr<bf16>();
+  at::parallel_for(0, T, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      bf16* xr = xp + r * n;
+      bf16* rr = rp + r * n;
+      int64_t i = 0;
+#ifdef NANOINFER_AVX2
+      for (; i + 8 <= n; i += 8) store8(rr + i, rnd8(_mm256_add_ps(load8(rr + i), load8(xr + i))));
+#endif
+      for (; i < n; ++i) rr[i] = static_cast<bf16>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+      normalize_row_bf16(rr, wp, xr, n, (float)eps);
+    }
+  });
+}
+
+static torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({T, I}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, T, row_grain(3 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* gate = xp + r * 2 * I;
+      const bf16* up = gate + I;
+      bf16* o = op + r * I;
+      int64_t i = 0;
+#ifdef NANOINFER_AVX2
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= I; i += 8) {
+        const __m256 g = load8(gate + i);
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        store8(o + i, rnd8(_mm256_mul_ps(rnd8(silu), load8(up + i))));
+      }
+#endif
+      for (; i < I; ++i) {  // F.silu(gate) (rounded) * up (rounded)
+        const float g = static_cast<float>(gate[i]);
+        o[i] = static_cast<bf16>(rnd(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+      }
+    }
+  });
+  return out;
+}
 
 // x [..., n] -> rms_norm(x) * weight (new tensor); rows may be strided (the per-head q/k norms of Qwen3).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  if (x.scalar_type() == at::kBFloat16) return rms_norm_bf16(x, weight, eps);
   check_rows(x, "x");
   auto rows = x.reshape({-1, x.size(-1)});
   auto out = torch::empty({rows.size(0), rows.size(1)}, x.options());
@@ -59,9 +173,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // residual += x; x = rms_norm(residual) * weight. Both [T, n] contiguous, updated in place (the pre-norm
 // step between sub-layers: the caller owns both buffers).
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+              x.scalar_type() == residual.scalar_type(), "x and residual must be contiguous and of one shape and dtype");
+  if (x.scalar_type() == at::kBFloat16) return fused_add_rms_norm_bf16(x, residual, weight, eps);
   check_rows(x, "x");
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
-              "x and residual must be contiguous and of one shape");
   const int64_t n = x.size(-1), T = x.numel() / n;
   float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
@@ -78,8 +193,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 
 // x [T, 2I] (gate | up) -> silu(gate) * up [T, I].
 torch::Tensor silu_and_mul(torch::Tensor x) {
-  check_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [tokens, 2 * intermediate] matrix");
+  if (x.scalar_type() == at::kBFloat16) return silu_and_mul_bf16(x);
+  check_rows(x, "x");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   auto out = torch::empty({T, I}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -101,33 +217,48 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // Neox-style rotary in place on q [T, Hq, D] and k [T, Hk, D] (strided views of the fused qkv output are
 // fine: rows of D must be contiguous). cos/sin [max_position, D] float32, both halves equal (HF's layout).
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                      torch::Tensor sin) {
-  check_rows(q, "q");
-  check_rows(k, "k");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos/sin tables must be contiguous");
-  const int64_t T = q.size(0), D = q.size(2), half = D / 2;
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  auto rotate = [&](float* base, int64_t heads, int64_t token_stride, int64_t head_stride, int64_t t) {
+// bfloat16 q/k: HF's q * cos + rotate_half(q) * sin with cos/sin cast to bfloat16, every op rounded.
+template <typename T>
+static void rotary_impl(const int64_t* pos, T* qp, T* kp, const torch::Tensor& q, const torch::Tensor& k,
+                        const float* cp, const float* sp) {
+  const int64_t T_ = q.size(0), D = q.size(2), half = D / 2;
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  auto r = [](float x) { return kBf16 ? rnd(x) : x; };
+  auto rotate = [&](T* base, int64_t heads, int64_t token_stride, int64_t head_stride, int64_t t) {
     const float* c = cp + pos[t] * D;
     const float* s = sp + pos[t] * D;
     for (int64_t h = 0; h < heads; ++h) {
-      float* x = base + t * token_stride + h * head_stride;
+      T* x = base + t * token_stride + h * head_stride;
       for (int64_t i = 0; i < half; ++i) {
-        const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * c[i] - x2 * s[i];
-        x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+        const float c1 = r(c[i]), c2 = r(c[i + half]), s1 = r(s[i]), s2 = r(s[i + half]);
+        if constexpr (kBf16) {
+          x[i] = static_cast<T>(rnd(x1 * c1) + rnd(-x2 * s1));
+          x[i + half] = static_cast<T>(rnd(x2 * c2) + rnd(x1 * s2));
+        } else {
+          x[i] = x1 * c1 - x2 * s1;
+          x[i + half] = x2 * c2 + x1 * s2;
+        }
       }
     }
   };
-  float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  at::parallel_for(0, T, row_grain(q.size(1) * D + k.size(1) * D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, row_grain(q.size(1) * D + k.size(1) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       rotate(qp, q.size(1), q.stride(0), q.stride(1), t);
       rotate(kp, k.size(1), k.stride(0), k.stride(1), t);
     }
   });
+}
+
+void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                      torch::Tensor sin) {
+  TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1, "q and k must have contiguous rows");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k of one dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat,
+              "cos/sin tables must be contiguous float32");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  if (q.scalar_type() == at::kBFloat16)
+    return rotary_impl(pos, q.data_ptr<bf16>(), k.data_ptr<bf16>(), q, k, cos.data_ptr<float>(), sin.data_ptr<float>());
+  check_rows(q, "q");
+  rotary_impl(pos, q.data_ptr<float>(), k.data_ptr<float>(), q, k, cos.data_ptr<float>(), sin.data_ptr<float>());
 }

@@ -22,8 +22,9 @@ logger = logging.getLogger("nanoinfer")
 
 
 def _fused_ops(x: torch.Tensor):
-    """The C++ CPU kernels when they apply to x (float32 on CPU and the kernels built), else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    """The C++ CPU kernels when they apply to x (float32 or bfloat16 on CPU, the kernels built), else None.
+    In bfloat16 they round where the torch ops below do (csrc/fused_ops.cpp)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     return cpu_ops()
 
@@ -90,7 +91,7 @@ class RMSNorm(nn.Module):
         On CPU in float32 one C++ pass does it, and the fused form overwrites both inputs (x with the
         norm, residual with the sum): the decoder layer owns them and reads neither afterwards."""
         ops = _fused_ops(x)
-        if ops is not None:
+        if ops is not None and self.weight.dtype == x.dtype:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
             if x.is_contiguous() and residual.is_contiguous():
