@@ -18,6 +18,15 @@ from nanoinfer.model.layers import RMSNorm, RotaryEmbedding
 from nanoinfer.model.layers import silu_and_mul as torch_silu_and_mul
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+@pytest.fixture(autouse=True)
+def torch_small_ops_on_cpu(monkeypatch):
+    """The reference is layers.py's torch code: on CPU, bfloat16 would otherwise take the C++ kernels
+    (csrc/fused_ops.cpp, tested in tests/unit/test_cpu_fused_ops.py), and their rotary works in place."""
+    from nanoinfer.model import layers
+
+    monkeypatch.setattr(layers, "_fused_ops", lambda x: None)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
