@@ -233,6 +233,33 @@ def _greedy(sampling_params_cls, max_tokens: int):
 
 
 # ---- Hugging Face transformers --------------------------------------------------------------------------
+def run_hf_in_own_process(
+    model_dir, workload: Workload, dtype: str, device: str, batch_size: int | None = None, warmup: bool = True
+) -> RunResult:
+    """`run_hf` in a fresh process with this one's torch thread count: the peer runs as it does on its own.
+
+    In the same process it inherited nanoinfer's process-wide settings: with glibc keeping large freed blocks
+    (cpu_ops.keep_freed_memory_for_reuse) HF's W went from 64 to 81 tok/s, which is HF tuned by us, not HF.
+    A NanoInferError raised there is raised here unchanged."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding thread pools and a model
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        future = pool.submit(_run_hf_with_threads, torch.get_num_threads(), str(model_dir), workload, dtype, device,
+                             batch_size, warmup)  # fmt: skip
+        return future.result()
+
+
+def _run_hf_with_threads(num_threads: int, *args) -> RunResult:
+    import torch
+
+    torch.set_num_threads(num_threads)
+    return run_hf(*args)
+
+
 def run_hf(
     model_dir, workload: Workload, dtype: str, device: str, batch_size: int | None = None, warmup: bool = True
 ) -> RunResult:

@@ -151,7 +151,8 @@ def bench(
         runs = [ours]
         if compare == "hf":
             console.print("running HF transformers generate ...", markup=False)
-            runs.append(bench_lib.run_hf(model_dir, workload, dtype_name, device_name, hf_batch_size, warmup))
+            hf = bench_lib.run_hf_in_own_process(model_dir, workload, dtype_name, device_name, hf_batch_size, warmup)
+            runs.append(hf)
     ratio = _ratio(runs)
     _render(console, runs, ratio)
     if output_json is not None:
