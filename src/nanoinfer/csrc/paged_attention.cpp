@@ -120,9 +120,15 @@ static inline __m256 hsum8x8(const __m256* v) {
 //   reduction (hsum8x8) gives a head's 8 scores, where the AVX2 loop reduced each dot on its own;
 // - values: 4 tokens at a time, so each accumulator is loaded and stored once per 4 FMAs, not per FMA.
 //   Each output element still sums its tokens in order, with the AVX2 loop's FMAs.
+//
+// qb: where both the queries and the cache are bfloat16 and the CPU has AVX512-BF16, the unscaled bfloat16
+// queries of this sequence ([Hq, D], D a multiple of 32), else null. The key dots then multiply bfloat16
+// pairs straight from the cache (vdpbf16ps: exact products, float32 sums) and scale the sum, instead of
+// widening each key slice to float32 first; bfloat16 W's attention was bound by that widening.
 template <typename T>
 static void attend_avx512(const float* qf, const T* k, const T* v, const int* table, int len, int G, int D,
-                          int bs, int Hkv, int h0, int h1, float* scores, float* acc) {
+                          int bs, int Hkv, int h0, int h1, float* scores, float* acc,
+                          const at::BFloat16* qb = nullptr, float scale = 1.f) {
   const int C = D / 16;
   const int q0 = h0 * G, q1 = h1 * G, nq = q1 - q0;
   static thread_local std::vector<float> parked_buf, max_buf;
@@ -138,6 +144,25 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const int* ta
       const int t = t0 + i;
       const T* row = row_ptr(k, table, t, bs, Hkv, 0, D);
       if (t + kPrefetchRows < len) prefetch_row(k, table, t + kPrefetchRows, bs, Hkv, h0, h1, D);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (qb != nullptr) {
+          const __m256 scale8 = _mm256_set1_ps(scale);
+          for (int h = h0; h < h1; ++h) {
+            const T* kp = row + (size_t)h * D;
+            for (int g = 0; g < G; ++g) {
+              const int qh = h * G + g;
+              const at::BFloat16* qg = qb + (size_t)qh * D;
+              __m512 d = _mm512_setzero_ps();
+              for (int c = 0; c < D / 32; ++c)
+                d = _mm512_dpbf16_ps(d, (__m512bh)_mm512_loadu_si512(qg + 32 * c), (__m512bh)_mm512_loadu_si512(kp + 32 * c));
+              _mm256_storeu_ps(parked + ((qh - q0) * 8 + i) * 8, _mm256_mul_ps(_mm256_add_ps(low8(d), high8(d)), scale8));
+            }
+          }
+          continue;
+        }
+      }
+#endif
       for (int h = h0; h < h1; ++h) {
         const float* kp;
         if constexpr (std::is_same_v<T, float>) {
@@ -286,9 +311,12 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
           for (int d = 0; d < D; ++d) qf[qh * D + d] = to_f(q[((size_t)b * Hq + qh) * D + d]) * scale;
         const int* table = tables + (size_t)b * max_blocks;
 #ifdef NANOINFER_AVX512
-        if (vector512)
-          attend_avx512(qf.data(), k, v, table, len, G, D, bs, Hkv, h0, h1, scores.data(), acc.data());
-        else
+        if (vector512) {
+          const at::BFloat16* qb = nullptr;
+          if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>)
+            if (D % 32 == 0) qb = q + (size_t)b * Hq * D;
+          attend_avx512(qf.data(), k, v, table, len, G, D, bs, Hkv, h0, h1, scores.data(), acc.data(), qb, scale);
+        } else
 #endif
 #ifdef NANOINFER_AVX2
         if (vector)
