@@ -36,11 +36,6 @@ inline void normalize_row(const float* x, const float* weight, float* out, int64
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
-  TORCH_CHECK(t.stride(-1) == 1, name, " must have contiguous rows");
-}
-
 // --- bfloat16: a float32 value rounded as a bfloat16 torch op's result is (to nearest even).
 using bf16 = at::BFloat16;
 inline float rnd(float x) { return static_cast<float>(static_cast<bf16>(x)); }
@@ -61,7 +56,7 @@ inline void store8(bf16* p, __m256 rounded) {
 #endif
 
 // out = rnd(weight * rnd(x * rsqrt(mean(x^2) + eps))): HF's RMSNorm in bfloat16 (norm in float32, cast, scale).
-inline void normalize_row_bf16(const bf16* x, const bf16* weight, bf16* out, int64_t n, float eps) {
+inline void normalize_row(const bf16* x, const bf16* weight, bf16* out, int64_t n, float eps) {
   int64_t i = 0;
   float total = 0.f;
 #ifdef NANOINFER_AVX2
@@ -82,90 +77,70 @@ inline void normalize_row_bf16(const bf16* x, const bf16* weight, bf16* out, int
   for (; i < n; ++i) out[i] = static_cast<bf16>(static_cast<float>(weight[i]) * rnd(static_cast<float>(x[i]) * inv));
 }
 
-void check_rows_bf16(const torch::Tensor& t, const torch::Tensor& weight, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1, name, " must have contiguous rows");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "a bfloat16 ", name, " needs a bfloat16 weight");
+// residual += x, n elements.
+inline void add_row(const float* x, float* residual, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) residual[i] += x[i];
+}
+inline void add_row(const bf16* x, bf16* residual, int64_t n) {  // rounded, as a bfloat16 add
+  int64_t i = 0;
+#ifdef NANOINFER_AVX2
+  for (; i + 8 <= n; i += 8) store8(residual + i, rnd8(_mm256_add_ps(load8(residual + i), load8(x + i))));
+#endif
+  for (; i < n; ++i) residual[i] = static_cast<bf16>(static_cast<float>(residual[i]) + static_cast<float>(x[i]));
+}
+
+// out = silu(gate) * up, n elements; bfloat16: F.silu(gate) rounded, then the product rounded.
+inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef NANOINFER_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+inline void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
+  int64_t i = 0;
+#ifdef NANOINFER_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = load8(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    store8(out + i, rnd8(_mm256_mul_ps(rnd8(silu), load8(up + i))));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<bf16>(rnd(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+  }
+}
+
+// Calls f with x's element type (float32 or bfloat16), after checking that rows are contiguous and that the
+// weight (when given) has x's dtype.
+template <typename F>
+void with_row_type(const torch::Tensor& x, const torch::Tensor* weight, const char* name, F&& f) {
+  TORCH_CHECK(x.stride(-1) == 1, name, " must have contiguous rows");
+  TORCH_CHECK(weight == nullptr || weight->scalar_type() == x.scalar_type(), "the weight must have ", name,
+              "'s dtype (", x.scalar_type(), ")");
+  if (x.scalar_type() == at::kBFloat16) return f(bf16{});
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32 or bfloat16");
+  f(float{});
 }
 
 }  // namespace
 
-// bfloat16 rms_norm / fused_add_rms_norm (dispatched to from the float32 entry points below).
-static torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows_bf16(x, weight, "x");
-  auto rows = x.reshape({-1, x.size(-1)});
-  auto out = torch::empty({rows.size(0), rows.size(1)}, x.options());
-  const int64_t n = rows.size(1), stride = rows.stride(0);
-  const bf16* xp = rows.data_ptr<bf16>();
-  const auto w = weight.contiguous();
-  const bf16* wp = w.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, rows.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) normalize_row_bf16(xp + r * stride, wp, op + r * n, n, (float)eps);
-  });
-  return out.view(x.sizes());
-}
-
-static void fused_add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  check_rows_bf16(x, weight, "x");
-  const int64_t n = x.size(-1), T = x.numel() / n;
-  bf16* xp = x.data_ptr<bf16>();
-  bf16* rp = residual.data_ptr<bf16>();
-  const auto w = weight.contiguous();
-  const bf16* wp = w.data_ptr<bf16>();
-  at::parallel_for(0, T, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      bf16* xr = xp + r * n;
-      bf16* rr = rp + r * n;
-      int64_t i = 0;
-#ifdef NANOINFER_AVX2
-      for (; i + 8 <= n; i += 8) store8(rr + i, rnd8(_mm256_add_ps(load8(rr + i), load8(xr + i))));
-#endif
-      for (; i < n; ++i) rr[i] = static_cast<bf16>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
-      normalize_row_bf16(rr, wp, xr, n, (float)eps);
-    }
-  });
-}
-
-static torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({T, I}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, T, row_grain(3 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const bf16* gate = xp + r * 2 * I;
-      const bf16* up = gate + I;
-      bf16* o = op + r * I;
-      int64_t i = 0;
-#ifdef NANOINFER_AVX2
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; i + 8 <= I; i += 8) {
-        const __m256 g = load8(gate + i);
-        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        store8(o + i, rnd8(_mm256_mul_ps(rnd8(silu), load8(up + i))));
-      }
-#endif
-      for (; i < I; ++i) {  // F.silu(gate) (rounded) * up (rounded)
-        const float g = static_cast<float>(gate[i]);
-        o[i] = static_cast<bf16>(rnd(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
-      }
-    }
-  });
-  return out;
-}
-
 // x [..., n] -> rms_norm(x) * weight (new tensor); rows may be strided (the per-head q/k norms of Qwen3).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  if (x.scalar_type() == at::kBFloat16) return rms_norm_bf16(x, weight, eps);
-  check_rows(x, "x");
   auto rows = x.reshape({-1, x.size(-1)});
   auto out = torch::empty({rows.size(0), rows.size(1)}, x.options());
-  const int64_t n = rows.size(1), stride = rows.stride(0);
-  const float* xp = rows.data_ptr<float>();
-  const float* wp = weight.contiguous().data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) normalize_row(xp + r * stride, wp, op + r * n, n, (float)eps);
+  const auto w = weight.contiguous();
+  with_row_type(x, &w, "x", [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t n = rows.size(1), stride = rows.stride(0);
+    const T* xp = rows.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) normalize_row(xp + r * stride, wp, op + r * n, n, (float)eps);
+    });
   });
   return out.view(x.sizes());
 }
@@ -175,42 +150,34 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() &&
               x.scalar_type() == residual.scalar_type(), "x and residual must be contiguous and of one shape and dtype");
-  if (x.scalar_type() == at::kBFloat16) return fused_add_rms_norm_bf16(x, residual, weight, eps);
-  check_rows(x, "x");
-  const int64_t n = x.size(-1), T = x.numel() / n;
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.contiguous().data_ptr<float>();
-  at::parallel_for(0, T, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* xr = xp + r * n;
-      float* rr = rp + r * n;
-      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
-      normalize_row(rr, wp, xr, n, (float)eps);
-    }
+  const auto w = weight.contiguous();
+  with_row_type(x, &w, "x", [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t n = x.size(-1), T_ = x.numel() / n;
+    T* xp = x.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    at::parallel_for(0, T_, row_grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        add_row(xp + r * n, rp + r * n, n);
+        normalize_row(rp + r * n, wp, xp + r * n, n, (float)eps);
+      }
+    });
   });
 }
 
 // x [T, 2I] (gate | up) -> silu(gate) * up [T, I].
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [tokens, 2 * intermediate] matrix");
-  if (x.scalar_type() == at::kBFloat16) return silu_and_mul_bf16(x);
-  check_rows(x, "x");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   auto out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, row_grain(3 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = xp + r * 2 * I;
-      const float* up = gate + I;
-      float* o = op + r * I;
-      int64_t i = 0;
-#ifdef NANOINFER_AVX2
-      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
-#endif
-      for (; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
+  with_row_type(x, nullptr, "x", [&](auto zero) {
+    using E = decltype(zero);
+    const E* xp = x.data_ptr<E>();
+    E* op = out.data_ptr<E>();
+    at::parallel_for(0, T, row_grain(3 * I), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * 2 * I, xp + r * 2 * I + I, op + r * I, I);
+    });
   });
   return out;
 }
@@ -257,8 +224,8 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat,
               "cos/sin tables must be contiguous float32");
   const int64_t* pos = positions.data_ptr<int64_t>();
-  if (q.scalar_type() == at::kBFloat16)
-    return rotary_impl(pos, q.data_ptr<bf16>(), k.data_ptr<bf16>(), q, k, cos.data_ptr<float>(), sin.data_ptr<float>());
-  check_rows(q, "q");
-  rotary_impl(pos, q.data_ptr<float>(), k.data_ptr<float>(), q, k, cos.data_ptr<float>(), sin.data_ptr<float>());
+  with_row_type(q, nullptr, "q", [&](auto zero) {
+    using E = decltype(zero);
+    rotary_impl(pos, q.data_ptr<E>(), k.data_ptr<E>(), q, k, cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
 }
