@@ -33,7 +33,7 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: Config, stop_string_checker=None, eos_token_ids: set[int] = frozenset()):
         self.config = config
-        _set_threads(config)
+        _setup_cpu_process(config)
         block_bytes = memory.kv_block_bytes(
             config.hf_config, config.kvcache_block_size, config.tensor_parallel_size, kv_cache_dtype_of(config)
         )
@@ -85,7 +85,7 @@ def _is_decode(seq: Sequence, num_new: int) -> bool:
     return num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
-def _set_threads(config: Config) -> None:
+def _setup_cpu_process(config: Config) -> None:
     """CPU process setup: the thread count, and malloc keeping large freed blocks (cpu_ops)."""
     if config.device != "cpu":
         return
