@@ -180,7 +180,7 @@ def default_model_prompts(tokenizer) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(tiny_model_dirs, family):
-    """bfloat16 on the CPU (our GEMM widens bfloat16 to float32 sums; transformers' rounds differently), by
+    """bfloat16 on the CPU (our GEMMs sum in float32 and round once, in another order than transformers'), by
     vLLM's check_logprobs_close rule: where the two first differ, each token is in the other's top 5."""
     import transformers
 
@@ -189,7 +189,8 @@ def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(tiny_model_dirs, f
     expected, _, expected_top = hf_greedy(path, prompts, 16, dtype=torch.bfloat16, top_k=5)
     llm = LLM(str(path), dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.25)
     packed = llm.engine.model_runner.model.model.layers[0].mlp.gate_up_proj.packed_weight
-    assert packed is not None and packed.kind != "gated"  # bfloat16 keeps SiLU-and-mul a separate op
+    # The widening GEMM keeps SiLU-and-mul a separate op in bfloat16; the AMX one fuses it with its roundings.
+    assert packed is not None and packed.kind != "gated"
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))
     ours = [(o.token_ids, [{t for t, _ in lp.top} for lp in o.outputs[0].logprobs]) for o in outputs]
     diverged = check_logprobs_close(ours, list(zip(expected, expected_top)), ("nanoinfer", "transformers"))

@@ -158,8 +158,10 @@ def test_each_dtype_gets_the_fastest_packed_kernel_this_cpu_runs():
     expected = "panels" if ops is not None and ops.vectorized else ("onednn" if onednn_prepack_supported(
         torch.float32) else None)  # fmt: skip
     assert packing_kind(torch.float32) == expected
-    if has_native_bfloat16_matmul() and onednn_prepack_supported(torch.bfloat16):
-        assert packing_kind(torch.bfloat16) == "onednn"  # AMX / AVX512-BF16 through oneDNN
+    if ops is not None and ops.amx_available():
+        assert packing_kind(torch.bfloat16) == "amx"  # our AMX GEMM (test_amx_gemm.py)
+    elif has_native_bfloat16_matmul() and onednn_prepack_supported(torch.bfloat16):
+        assert packing_kind(torch.bfloat16) == "onednn"  # AVX512-BF16 through oneDNN
     elif expected == "panels":
         assert packing_kind(torch.bfloat16) == "panels"  # widened to float32 in registers
     assert packing_kind(torch.float16) != "panels"

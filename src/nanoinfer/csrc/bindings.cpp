@@ -23,6 +23,10 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor pack_gated_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
+torch::Tensor pack_amx_weight(const torch::Tensor& weight, bool gated);
+torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed,
+                         const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
+bool amx_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
@@ -42,6 +46,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear,
         "x W^T + b with W from pack_linear_weight (float32 or bfloat16, float32 sums); gated: W from "
         "pack_gated_weight, out = silu(x Wg^T) * (x Wu^T)",
+        pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"),
+        pybind11::arg("gated") = false);
+  m.def("amx_available", &amx_available, "can this build and CPU run amx_linear (AMX bfloat16, OS permission)?");
+  m.def("pack_amx_weight", &pack_amx_weight,
+        "[N, K] bfloat16 weight -> AMX pairs of 32 columns (gated: [2I, K] -> 16 gate + 16 up columns a pair)",
+        pybind11::arg("weight"), pybind11::arg("gated") = false);
+  m.def("amx_linear", &amx_linear,
+        "x W^T + b in bfloat16 on AMX with W from pack_amx_weight (float32 sums, rounded once); gated: "
+        "silu(x Wg^T) * (x Wu^T) with the roundings of the separate bfloat16 ops",
         pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"),
         pybind11::arg("gated") = false);
 #ifdef NANOINFER_AVX2

@@ -36,25 +36,6 @@ inline void normalize_row(const float* x, const float* weight, float* out, int64
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
 
-// --- bfloat16: a float32 value rounded as a bfloat16 torch op's result is (to nearest even).
-using bf16 = at::BFloat16;
-inline float rnd(float x) { return static_cast<float>(static_cast<bf16>(x)); }
-
-#ifdef NANOINFER_AVX2
-// 8 floats rounded to bfloat16 (to nearest even; finite inputs), kept as floats; and stored as bfloat16.
-inline __m256 rnd8(__m256 x) {
-  const __m256i b = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-inline void store8(bf16* p, __m256 rounded) {
-  const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
-#endif
-
 // out = rnd(weight * rnd(x * rsqrt(mean(x^2) + eps))): HF's RMSNorm in bfloat16 (norm in float32, cast, scale).
 inline void normalize_row(const bf16* x, const bf16* weight, bf16* out, int64_t n, float eps) {
   int64_t i = 0;
@@ -87,30 +68,6 @@ inline void add_row(const bf16* x, bf16* residual, int64_t n) {  // rounded, as 
   for (; i + 8 <= n; i += 8) store8(residual + i, rnd8(_mm256_add_ps(load8(residual + i), load8(x + i))));
 #endif
   for (; i < n; ++i) residual[i] = static_cast<bf16>(static_cast<float>(residual[i]) + static_cast<float>(x[i]));
-}
-
-// out = silu(gate) * up, n elements; bfloat16: F.silu(gate) rounded, then the product rounded.
-inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
-  int64_t i = 0;
-#ifdef NANOINFER_AVX2
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
-#endif
-  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-}
-inline void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
-  int64_t i = 0;
-#ifdef NANOINFER_AVX2
-  const __m256 one = _mm256_set1_ps(1.f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = load8(gate + i);
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    store8(out + i, rnd8(_mm256_mul_ps(rnd8(silu), load8(up + i))));
-  }
-#endif
-  for (; i < n; ++i) {
-    const float g = static_cast<float>(gate[i]);
-    out[i] = static_cast<bf16>(rnd(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
-  }
 }
 
 // Calls f with x's element type (float32 or bfloat16), after checking that rows are contiguous and that the

@@ -124,4 +124,76 @@ static inline __m256 exp8(__m256 x) {
   __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
+
+#ifdef NANOINFER_AVX512
+// exp8's steps on 16 lanes, in the same order: each lane gives exp8's bits.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
+}
+
+// 16 floats rounded to bfloat16 (to nearest even; finite inputs), kept as floats: rnd8 on 16 lanes.
+static inline __m512 rnd16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 #endif
+#endif
+
+// --- bfloat16: a float32 value rounded as a bfloat16 torch op's result is (to nearest even).
+using bf16 = at::BFloat16;
+static inline float rnd(float x) { return static_cast<float>(static_cast<bf16>(x)); }
+
+#ifdef NANOINFER_AVX2
+// 8 floats rounded to bfloat16 (to nearest even; finite inputs), kept as floats; and stored as bfloat16.
+static inline __m256 rnd8(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+static inline void store8(bf16* p, __m256 rounded) {
+  const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+#endif
+
+// out = silu(gate) * up, n elements; in bfloat16 F.silu(gate) rounded, then the product rounded. One definition
+// for the SiLU-and-mul kernel (csrc/fused_ops.cpp) and the AMX GEMM that fuses it (csrc/amx_gemm.cpp).
+static inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef NANOINFER_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+static inline void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
+  int64_t i = 0;
+#ifdef NANOINFER_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = load8(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    store8(out + i, rnd8(_mm256_mul_ps(rnd8(silu), load8(up + i))));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<bf16>(rnd(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+  }
+}

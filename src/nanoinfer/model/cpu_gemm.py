@@ -8,8 +8,10 @@ on every call; in decode (a few dozen rows) that costs about as much as the mult
   Measured on the 2-core AVX2 EPYC, 2 threads, a decode step's linears in sequence (30 layers, 64
   rows): 70-78 GFLOP/s with oneDNN's packed weights, 85-105 with ours; 23 -> 48 at 16 rows; prefill
   shapes equal within noise (benchmarks/README.md);
-- bfloat16 on CPUs that multiply it natively (AMX, AVX512-BF16), and otherwise where ours is not built:
-  oneDNN's packed weights (torch's own `torch.ops.mkldnn` ops, what inductor's CPU freezing pass uses),
+- bfloat16 on CPUs with AMX (Sapphire Rapids and later): our AMX GEMM (csrc/amx_gemm.cpp), which keeps
+  DRAM busy at decode's row counts where oneDNN's kernels do not, and takes the MLP's SiLU-and-mul into
+  its epilogue with the separate ops' roundings;
+- bfloat16 on CPUs with AVX512-BF16 but no AMX, and otherwise where ours is not built: oneDNN's packed weights (torch's own `torch.ops.mkldnn` ops, what inductor's CPU freezing pass uses),
   where it runs the dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT);
 - otherwise plain `F.linear`.
 Float32 results differ from sgemm by summation order only (relative 1e-6); bfloat16 ones are rounded once,
@@ -33,11 +35,17 @@ logger = logging.getLogger("nanoinfer")
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight in a kernel's own layout: kind "panels" (csrc/gemm.cpp), "gated" (the same GEMM over a
-    [gate; up] weight, giving silu(gate) * up; `out_features` is then the intermediate size) or "onednn"."""
+    [gate; up] weight, giving silu(gate) * up; `out_features` is then the intermediate size), "amx" and
+    "amx_gated" (csrc/amx_gemm.cpp, bfloat16) or "onednn"."""
 
     kind: str
     data: torch.Tensor
     out_features: int
+
+    @property
+    def gated(self) -> bool:
+        """Does the GEMM give silu(gate) * up (call gated_linear), not the bare projection?"""
+        return self.kind in ("gated", "amx_gated")
 
 
 def onednn_prepack_supported(dtype: torch.dtype) -> bool:
@@ -61,12 +69,14 @@ def has_native_bfloat16_matmul() -> bool:
 
 
 def packing_kind(dtype: torch.dtype) -> str | None:
-    """Which packed kernel runs linears of `dtype` here: "panels", "onednn" or None (plain F.linear)."""
-    # bfloat16 on a CPU with AMX / AVX512-BF16: oneDNN's kernels multiply it natively, 3-10x our GEMM's
+    """Which packed kernel runs linears of `dtype` here: "amx", "panels", "onednn" or None (plain F.linear)."""
+    ops = cpu_ops()
+    if dtype == torch.bfloat16 and ops is not None and ops.amx_available():
+        return "amx"
+    # bfloat16 on a CPU with AVX512-BF16 (no AMX): oneDNN's kernels multiply it natively, 3-10x our GEMM's
     # widen-to-float32 rate (SmolLM2's shapes on a 2-core Sapphire Rapids: 300-1,200 against ~90 GFLOP/s).
     if dtype == torch.bfloat16 and has_native_bfloat16_matmul() and onednn_prepack_supported(dtype):
         return "onednn"
-    ops = cpu_ops()
     if dtype in (torch.float32, torch.bfloat16) and ops is not None and ops.vectorized:
         return "panels"
     return "onednn" if onednn_prepack_supported(dtype) else None
@@ -78,11 +88,16 @@ def pack_weight(weight: torch.Tensor, kind: str) -> PackedWeight:
         return PackedWeight(kind, cpu_ops().pack_linear_weight(weight), weight.shape[0])
     if kind == "gated":
         return PackedWeight(kind, cpu_ops().pack_gated_weight(weight), weight.shape[0] // 2)
+    if kind in ("amx", "amx_gated"):
+        gated = kind == "amx_gated"
+        return PackedWeight(kind, cpu_ops().pack_amx_weight(weight, gated), weight.shape[0] // (2 if gated else 1))
     return PackedWeight(kind, torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[0])
 
 
 def gated_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """silu(x Wg^T) * (x Wu^T) through a weight packed as kind "gated"."""
+    """silu(x Wg^T) * (x Wu^T) through a weight packed as kind "gated" or "amx_gated"."""
+    if packed.kind == "amx_gated":
+        return cpu_ops().amx_linear(x, packed.data, None, packed.out_features, gated=True)
     return cpu_ops().packed_linear(x, packed.data, None, packed.out_features, gated=True)
 
 
@@ -92,6 +107,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
         return F.linear(x, weight, bias)
     if packed.kind == "panels":
         return cpu_ops().packed_linear(x, packed.data, bias, packed.out_features)
+    if packed.kind == "amx":
+        return cpu_ops().amx_linear(x, packed.data, bias, packed.out_features)
     if x.dim() != 2:  # the oneDNN op takes [rows, features]
         return linear(x.reshape(-1, x.shape[-1]), weight, bias, packed).view(*x.shape[:-1], -1)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none", [], "")
@@ -115,10 +132,13 @@ def prepack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if not hasattr(module, "packed_weight") or module.weight.device.type != "cpu":
             continue
-        # The MLP's gate_up projection takes SiLU-and-mul into the GEMM (float32 only: in bfloat16 that would
-        # skip the roundings of the unfused ops, which the bfloat16 comparisons with transformers expect).
-        gated = kind == "panels" and dtype == torch.float32 and getattr(module, "packs_gated", False)
-        module.packed_weight = pack_weight(module.weight, "gated" if gated else kind)
+        # The MLP's gate_up projection takes SiLU-and-mul into the GEMM: our float32 GEMM, and the AMX one,
+        # which rounds where the separate bfloat16 ops do (the widening bfloat16 GEMM would skip those
+        # roundings, which the bfloat16 comparisons with transformers expect).
+        module_kind = kind
+        if getattr(module, "packs_gated", False) and kind in ("amx", "panels"):
+            module_kind = {"amx": "amx_gated", "panels": "gated" if dtype == torch.float32 else kind}[kind]
+        module.packed_weight = pack_weight(module.weight, module_kind)
         if owners[id(module.weight)] == 1:
             module.weight.data = torch.empty(0, dtype=dtype)
         packed += 1

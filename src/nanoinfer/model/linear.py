@@ -45,8 +45,8 @@ class ColumnParallelLinear(nn.Module):
 class GateUpParallelLinear(ColumnParallelLinear):
     """The MLP's fused gate/up projection (shard ids 0 and 1), with the activation that follows it.
 
-    On CPU in float32 its weight is packed so that one GEMM computes silu(gate) * up in registers
-    (`PackedWeight` kind "gated", csrc/gemm.cpp): the [rows, 2 x intermediate] projection is never written
+    On CPU in float32, and in bfloat16 on AMX, its weight is packed so that one GEMM computes silu(gate) * up
+    in registers (`PackedWeight.gated`, csrc/gemm.cpp and csrc/amx_gemm.cpp): the [rows, 2 x intermediate] projection is never written
     out and read back. Call `silu_and_mul(x)`; `forward` gives the bare projection where the packing allows."""
 
     packs_gated = True  # read by cpu_gemm.prepack_linear_weights
@@ -56,12 +56,12 @@ class GateUpParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wg^T) * (x Wu^T), [..., intermediate / tp]."""
-        if self.packed_weight is not None and self.packed_weight.kind == "gated":
+        if self.packed_weight is not None and self.packed_weight.gated:
             return gated_linear(x, self.packed_weight)
         return silu_and_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and self.packed_weight.kind == "gated":
+        if self.packed_weight is not None and self.packed_weight.gated:
             raise RuntimeError("gate_up_proj is packed with its activation: call silu_and_mul(x)")
         return super().forward(x)
 

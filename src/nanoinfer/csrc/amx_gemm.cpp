@@ -1,0 +1,277 @@
+// bfloat16 linear layers on Intel AMX (Sapphire Rapids and later): y = x W^T (+ b), W packed once at load.
+//
+// Why our own: oneDNN's bfloat16 kernels run a decode step's shapes well only at full batch. Measured in W
+// on a 2-core Sapphire Rapids (SmolLM2-135M, 2 threads): 795 GFLOP/s at 64 rows, 313-357 at 32-63, 181-202 at
+// 16-31 and 40-96 below 16, and every new row count costs 1.6-2.4 ms to build a primitive (W's batch
+// shrinks from 64 to 1 one sequence at a time). In decode the multiply is memory-bound (the weights stream
+// from DRAM once a step), so a kernel that keeps DRAM busy at any row count is what pays.
+//
+// Layout (AMX's: a B tile is 16 rows of 16 column pairs, each pair two consecutive k values):
+// - W [N, K] is packed in "pairs" of 32 output columns, k-major: a k-step of a pair is two B tiles, 2 KB
+//   contiguous, so a thread streams its pairs sequentially; K and N are zero-padded to 32;
+// - gated (the MLP's [gate; up] weight): a pair is 16 gate columns and the 16 matching up columns, so the
+//   two accumulator tiles of a row block hold gate and up for the same 16 outputs, and the epilogue
+//   stores silu(gate) * up with the roundings of the separate bfloat16 ops (as silu_and_mul does);
+// - a register block is 32 rows x one pair: tiles 0-3 accumulate (float32), 4-5 hold x, 6-7 the weights;
+//   16 or fewer rows use half of it;
+// - rows are read in place (K a multiple of 32); the last block of rows, and x when K is not, goes
+//   through a zero-padded copy, so tiles never read past the input.
+// Sums are float32, rounded to bfloat16 once (to nearest even), as oneDNN's are; they differ from it by
+// summation order only.
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+
+#if defined(NANOINFER_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define NANOINFER_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t TK = 32;                 // k values in a tile row (16 pairs, 64 bytes)
+constexpr int64_t TN = 16;                 // output columns of a B tile
+constexpr int64_t TM = 16;                 // rows of an A / C tile
+constexpr int64_t PAIR_COLS = 2 * TN;      // output columns of a pair (gated: 16 gate + 16 up)
+constexpr int64_t PAIR_STEP = PAIR_COLS * TK;  // elements of one k-step of a pair (two B tiles)
+constexpr int64_t BLOCK_ROWS = 2 * TM;     // rows of a register block
+
+// Which source row feeds column j (0..31) of pair p, or -1 (zero padding).
+inline int64_t source_row(int64_t p, int64_t j, int64_t N, bool gated) {
+  if (gated) {  // N = 2I: columns 0-15 gate rows 16p.., 16-31 the up rows I + 16p..
+    const int64_t I = N / 2, i = p * TN + j % TN;
+    return i < I ? (j < TN ? i : I + i) : -1;
+  }
+  const int64_t n = p * PAIR_COLS + j;
+  return n < N ? n : -1;
+}
+
+}  // namespace
+
+// [N, K] bfloat16 weight -> [pairs, ceil(K / 32), 2, 16, 32] (see the layout above); gated: [2I, K] -> I / 16 pairs.
+torch::Tensor pack_amx_weight(const torch::Tensor& weight, bool gated) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_amx_weight: a 2-D bfloat16 weight");
+  TORCH_CHECK(!gated || weight.size(0) % 2 == 0, "pack_amx_weight: a gated weight has 2 * I rows");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), KB = (K + TK - 1) / TK;
+  const int64_t pairs = gated ? (N / 2 + TN - 1) / TN : (N + PAIR_COLS - 1) / PAIR_COLS;
+  auto packed = torch::zeros({pairs, KB, 2, TK / 2, PAIR_COLS}, w.options());
+  const bf16* src = w.data_ptr<bf16>();
+  bf16* dst = packed.data_ptr<bf16>();
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < PAIR_COLS; ++j) {
+        const int64_t row = source_row(p, j, N, gated);
+        if (row < 0) continue;
+        const int64_t half = j / TN, n = j % TN;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t kb = k / TK, kr = (k % TK) / 2, e = k % 2;
+          dst[(((p * KB + kb) * 2 + half) * (TK / 2) + kr) * PAIR_COLS + n * 2 + e] = src[row * K + k];
+        }
+      }
+  });
+  return packed;
+}
+
+#ifdef NANOINFER_AMX
+namespace {
+
+// Linux keeps AMX's tile state off until a process asks for it (arch_prctl, kernel 5.16+); asked once.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: C tiles 16 x 16 float32, A 16 rows x 32 bfloat16, B 16 k-pairs x 16 columns.
+void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// One register block: rows [x, x + 16 * (TWO ? 2 : 1)) of x (row stride lda elements) times one pair,
+// float32 sums into c [32][32] (row block-major: rows 0-15 then 16-31, each row gate/first 16 columns then
+// the next 16).
+// pf: `pf_lines` 64-byte lines to prefetch into L2 each k-step, from pf on (the weights this thread runs next).
+template <bool TWO>
+inline void block(const bf16* x, int64_t lda, const bf16* b, int64_t KB, float* c, const char* pf, int pf_lines) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t stride = lda * (int64_t)sizeof(bf16);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const bf16* bk = b + kb * PAIR_STEP;
+    for (int l = 0; l < pf_lines; ++l) _mm_prefetch(pf + (kb * pf_lines + l) * 64, _MM_HINT_T1);
+    _tile_loadd(4, x + kb * TK, stride);
+    _tile_loadd(6, bk, 64);
+    _tile_loadd(7, bk + TN * TK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_loadd(5, x + TM * lda + kb * TK, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, PAIR_COLS * sizeof(float));
+  _tile_stored(1, c + TN, PAIR_COLS * sizeof(float));
+  if constexpr (TWO) {
+    _tile_stored(2, c + TM * PAIR_COLS, PAIR_COLS * sizeof(float));
+    _tile_stored(3, c + TM * PAIR_COLS + TN, PAIR_COLS * sizeof(float));
+  }
+}
+
+// 16 floats -> bfloat16 (to nearest even, as torch rounds; an already rounded value stays), n of them stored.
+inline void store16(bf16* out, __m512 v, int n) {
+  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << n) - 1), b);
+}
+
+// Rows of a block's sums into the output: `rows` rows, this pair's `ncols` valid outputs at out (row stride ldc).
+// Gated: gate and up rounded to bfloat16, silu(gate) rounded, the product rounded: silu_mul_row's steps on
+// 16 lanes (exp16 is exp8's), so the bits are those of the gate_up linear followed by silu_and_mul.
+template <bool GATED>
+inline void epilogue(const float* c, int rows, bf16* out, int64_t ldc, int ncols, const float* bias) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int r = 0; r < rows; ++r) {
+    const float* row = c + r * PAIR_COLS;
+    bf16* o = out + r * ldc;
+    if constexpr (GATED) {
+      const __m512 g = rnd16(_mm512_load_ps(row)), u = rnd16(_mm512_load_ps(row + TN));
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      store16(o, _mm512_mul_ps(rnd16(silu), u), ncols);
+    } else {
+      for (int h = 0; h < 2 && h * TN < ncols; ++h) {
+        const int n = std::min<int>(TN, ncols - h * TN);
+        __m512 v = _mm512_load_ps(row + h * TN);
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), bias + h * TN));
+        store16(o + h * TN, v, n);
+      }
+    }
+  }
+}
+
+template <bool GATED>
+void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, int64_t KB, const float* bias,
+             bf16* out, int64_t N) {
+  const int64_t KP = KB * TK;
+  const int64_t cols = GATED ? TN : PAIR_COLS;  // outputs of a pair
+  // Rows read in place: whole blocks when K is a multiple of 32. The rest from a zero-padded copy.
+  const int64_t direct = (K == KP) ? (M / BLOCK_ROWS) * BLOCK_ROWS : 0;
+  const int64_t padded_rows = (M - direct + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
+  static thread_local std::vector<bf16> pad;
+  if ((int64_t)pad.size() < padded_rows * KP) pad.resize(padded_rows * KP);
+  bf16* padp = pad.data();
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    bf16* dst = padp + r * KP;
+    const int64_t m = direct + r;
+    if (m < M) std::memcpy(dst, x + m * K, K * sizeof(bf16));
+    std::memset(dst + (m < M ? K : 0), 0, (KP - (m < M ? K : 0)) * sizeof(bf16));
+  }
+  const int64_t blocks = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  // Work items: (pair, run of row blocks). A run of up to 8 blocks (256 rows) keeps its x in L2 while the
+  // pair's weights stay in L1 / L2 across it; in decode (<= 64 rows) an item is one pair's whole column.
+  constexpr int64_t RUN = 8;
+  const int64_t runs = (blocks + RUN - 1) / RUN;
+  const int threads = at::get_num_threads();
+  constexpr int64_t PAIR_LINES_PER_STEP = PAIR_STEP * sizeof(bf16) / 64;  // 32
+  #pragma omp parallel num_threads(threads)
+  {
+    load_tile_config();
+    alignas(64) float c[BLOCK_ROWS * PAIR_COLS];
+    // Each thread runs a contiguous range of pairs, so it knows the pair it runs next and prefetches it while
+    // it computes this one: in decode the weights come from DRAM, and without it the loads waited on memory
+    // while the tiles computed, then the tiles waited on the loads.
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p_begin = pairs * t / nt, p_end = pairs * (t + 1) / nt;
+    for (int64_t run = 0; run < runs; ++run) {
+      const int64_t blk_begin = run * RUN, blk_end = std::min(blocks, (run + 1) * RUN);
+      const int64_t nblk = blk_end - blk_begin;
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const bf16* bp = b + p * KB * PAIR_STEP;
+        const int ncols = (int)std::min<int64_t>(cols, N - p * cols);
+        const float* biasp = bias ? bias + p * cols : nullptr;
+        // The next pair's weights (or the first of the next run), spread over this pair's blocks.
+        const bool last = p + 1 == p_end;
+        const bf16* next = last ? (run + 1 < runs ? b + p_begin * KB * PAIR_STEP : nullptr) : bp + KB * PAIR_STEP;
+        const int pf_lines = next ? (int)((PAIR_LINES_PER_STEP + nblk - 1) / nblk) : 0;
+        for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
+          const int64_t m0 = blk * BLOCK_ROWS;
+          const int rows = (int)std::min<int64_t>(BLOCK_ROWS, M - m0);
+          const bf16* xa = m0 < direct ? x + m0 * K : padp + (m0 - direct) * KP;
+          const int64_t lda = m0 < direct ? K : KP;
+          const char* pf = next ? reinterpret_cast<const char*>(next) + (blk - blk_begin) * pf_lines * KB * 64 : nullptr;
+          if (rows > TM)
+            block<true>(xa, lda, bp, KB, c, pf, pf_lines);
+          else
+            block<false>(xa, lda, bp, KB, c, pf, pf_lines);
+          epilogue<GATED>(c, rows, out + m0 * N + p * cols, N, ncols, biasp);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace
+#endif
+
+bool amx_available() {
+#ifdef NANOINFER_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// x [..., K] bfloat16 times a weight from pack_amx_weight -> [..., N] bfloat16 (gated: silu(x Wg^T) * (x Wu^T),
+// N = I).
+torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed,
+                         const c10::optional<torch::Tensor>& bias, int64_t N, bool gated) {
+  TORCH_CHECK(amx_available(), "amx_linear: this CPU (or build) has no AMX bfloat16");
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "amx_linear: bfloat16 input and weight");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == TK / 2 && packed.size(4) == PAIR_COLS,
+              "amx_linear: weight not packed by pack_amx_weight");
+  const int64_t pairs = packed.size(0), KB = packed.size(1);
+  TORCH_CHECK(pairs == (gated ? (N + TN - 1) / TN : (N + PAIR_COLS - 1) / PAIR_COLS),
+              "amx_linear: weight packed for another output size than ", N);
+  TORCH_CHECK(!gated || !(bias.has_value() && bias->defined()), "amx_linear: no bias with gated");
+  const int64_t K = input.size(-1);
+  TORCH_CHECK((K + TK - 1) / TK == KB, "amx_linear: input has ", K, " features, weight ", KB * TK, " (padded)");
+  auto sizes = input.sizes().vec();
+  sizes.back() = N;
+  const auto x = input.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  torch::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "amx_linear: bias of ", N, " values, got ", bias->numel());
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+#ifdef NANOINFER_AMX
+  if (M > 0) {
+    const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+    const bf16* xp = x.data_ptr<bf16>();
+    if (gated)
+      run_amx<true>(xp, M, K, packed.data_ptr<bf16>(), pairs, KB, bias_ptr, out.data_ptr<bf16>(), N);
+    else
+      run_amx<false>(xp, M, K, packed.data_ptr<bf16>(), pairs, KB, bias_ptr, out.data_ptr<bf16>(), N);
+  }
+#endif
+  return out.view(sizes);
+}
