@@ -11,7 +11,8 @@ on every call; in decode (a few dozen rows) that costs about as much as the mult
 - bfloat16 on CPUs with AMX (Sapphire Rapids and later): our AMX GEMM (csrc/amx_gemm.cpp), which keeps
   DRAM busy at decode's row counts where oneDNN's kernels do not, and takes the MLP's SiLU-and-mul into
   its epilogue with the separate ops' roundings;
-- bfloat16 on CPUs with AVX512-BF16 but no AMX, and otherwise where ours is not built: oneDNN's packed weights (torch's own `torch.ops.mkldnn` ops, what inductor's CPU freezing pass uses),
+- bfloat16 on CPUs with AVX512-BF16 but no AMX, and otherwise where ours is not built: oneDNN's packed
+  weights (torch's own `torch.ops.mkldnn` ops, what inductor's CPU freezing pass uses),
   where it runs the dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT);
 - otherwise plain `F.linear`.
 Float32 results differ from sgemm by summation order only (relative 1e-6); bfloat16 ones are rounded once,

@@ -46,8 +46,9 @@ class GateUpParallelLinear(ColumnParallelLinear):
     """The MLP's fused gate/up projection (shard ids 0 and 1), with the activation that follows it.
 
     On CPU in float32, and in bfloat16 on AMX, its weight is packed so that one GEMM computes silu(gate) * up
-    in registers (`PackedWeight.gated`, csrc/gemm.cpp and csrc/amx_gemm.cpp): the [rows, 2 x intermediate] projection is never written
-    out and read back. Call `silu_and_mul(x)`; `forward` gives the bare projection where the packing allows."""
+    in registers (`PackedWeight.gated`, csrc/gemm.cpp and csrc/amx_gemm.cpp): the [rows, 2 x intermediate]
+    projection is never written out and read back. Call `silu_and_mul(x)`; `forward` gives the bare projection
+    where the packing allows."""
 
     packs_gated = True  # read by cpu_gemm.prepack_linear_weights
 
