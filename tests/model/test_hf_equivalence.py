@@ -117,6 +117,31 @@ def test_fused_cpu_decode_is_bit_identical_to_the_layer_loop(tiny_model_dirs, re
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_cpu_decode_in_bfloat16_on_amx_is_bit_identical_to_the_layer_loop(tiny_model_dirs, family, monkeypatch):
+    """bfloat16 on an AMX CPU: pure-decode steps run every layer in one C++ call through the AMX GEMM, the same
+    kernels as the per-layer path, so the same tokens and log-probabilities to the bit."""
+    from nanoinfer.model.cpu_decode import FusedDecode
+
+    if cpu_ops() is None or not cpu_ops().amx_available():
+        pytest.skip("no AMX on this CPU")
+    import transformers
+
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(tiny_model_dirs[family]).vocab_size)[:8]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    settings = dict(device="cpu", dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.25)
+    calls = []
+    original = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or original(self, *a))
+    fused = LLM(str(tiny_model_dirs[family]), **settings).generate(prompts, params)
+    assert calls  # every decode step
+    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda model, kv_caches: False))
+    looped = LLM(str(tiny_model_dirs[family]), **settings).generate(prompts, params)
+    for a, b in zip(fused, looped):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlp_row_chunks_match_transformers(tiny_model_dirs, references, family, monkeypatch):
     """A long prefill's MLP runs in row chunks on CPU (decoder.CPU_MLP_CHUNK_BYTES); at the 64-row floor

@@ -18,7 +18,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor seq_lens, const std::vector<torch::Tensor>& layers, torch::Tensor cos, torch::Tensor sin,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-    double scale);
+    double scale, bool amx);
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor pack_gated_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
@@ -38,7 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [tokens, 2 * intermediate] matrix (float32)");
   m.def("rotary_embedding", &rotary_embedding, "neox-style rotary of q and k in place (float32)");
   m.def("decode_layers", &decode_layers,
-        "every decoder layer of a pure-decode step (float32, no tensor parallelism): (hidden, residual)");
+        "every decoder layer of a pure-decode step (no tensor parallelism; float32, or bfloat16 with amx): "
+        "(hidden, residual)");
   m.def("greedy_argmax", &greedy_argmax, "index of each row's largest value, as torch.argmax (float32)");
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] float32/bfloat16 weight -> [ceil(N/16), K, 16] panels");
   m.def("pack_gated_weight", &pack_gated_weight,

@@ -1,4 +1,5 @@
-// Every decoder layer of a pure-decode step in one call (float32, one CPU process, no tensor parallelism).
+// Every decoder layer of a pure-decode step in one call (one CPU process, no tensor parallelism): float32
+// through our panel GEMM, or bfloat16 through the AMX GEMM (`amx`).
 //
 // Why: with the kernels at this machine's ceilings, what was left of W's decode outside them was Python:
 // ~0.3 ms a layer of module calls, views and checks around ~9 kernel calls (2.5 s of a 26.6 s decode,
@@ -18,10 +19,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
+torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed,
+                         const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
 
 // What one layer passes, in this order (kLayerTensors of them): input norm weight, qkv packed weight, qkv bias
 // (an empty tensor: none), o_proj packed weight, post-attention norm weight, gate_up weight packed gated,
-// down_proj packed weight, key cache, value cache.
+// down_proj packed weight, key cache, value cache. Weights packed for packed_linear, or (amx) amx_linear.
 constexpr size_t kLayerTensors = 9;
 
 // hidden [T, hidden] (the embeddings) -> (hidden, residual) after the last layer, before the final norm.
@@ -29,7 +32,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor seq_lens, const std::vector<torch::Tensor>& layers, torch::Tensor cos, torch::Tensor sin,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-    double scale) {
+    double scale, bool amx) {
+  const auto linear = amx ? amx_linear : packed_linear;
   TORCH_CHECK(layers.size() % kLayerTensors == 0, "decode_layers: ", kLayerTensors, " tensors a layer, got ",
               layers.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: contiguous [tokens, hidden] input");
@@ -45,17 +49,16 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
       fused_add_rms_norm(hidden, residual, w[0], eps);
     }
     const auto qkv_bias = w[2].numel() ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt;
-    const auto qkv = packed_linear(hidden, w[1], qkv_bias, q_size + 2 * kv_size, false);
+    const auto qkv = linear(hidden, w[1], qkv_bias, q_size + 2 * kv_size, false);
     const auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
     const auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     rotary_embedding(positions, q, k, cos, sin);
     store_kvcache(k, v, w[7], w[8], slot_mapping);
     const auto attn = paged_decode(q.contiguous(), w[7], w[8], block_tables, seq_lens, scale);
-    hidden = packed_linear(attn.view({T, q_size}), w[3], c10::nullopt, H, false);
+    hidden = linear(attn.view({T, q_size}), w[3], c10::nullopt, H, false);
     fused_add_rms_norm(hidden, residual, w[4], eps);
-    hidden = packed_linear(packed_linear(hidden, w[5], c10::nullopt, intermediate_size, true), w[6], c10::nullopt,
-                           H, false);
+    hidden = linear(linear(hidden, w[5], c10::nullopt, intermediate_size, true), w[6], c10::nullopt, H, false);
   }
   return {hidden, residual};
 }
