@@ -12,8 +12,9 @@
 // - gated (the MLP's [gate; up] weight): a pair is 16 gate columns and the 16 matching up columns, so the
 //   two accumulator tiles of a row block hold gate and up for the same 16 outputs, and the epilogue
 //   stores silu(gate) * up with the roundings of the separate bfloat16 ops (as silu_and_mul does);
-// - a register block is 32 rows x one pair: tiles 0-3 accumulate (float32), 4-5 hold x, 6-7 the weights;
-//   16 or fewer rows use half of it;
+// - a register block is 16 rows x one pair: two accumulator tiles, one of x, two of weights. A 32-row block
+//   (2 x 2 accumulators, the textbook AMX block) ran slower on every shape measured here: decode's 30 layers at 64 rows 21.7 -> 21.1 ms, at 48 rows
+//   23.5 -> 18.1 ms; 2,048 x 576 x 3,072 cached 604 -> 1,147 GFLOP/s (2 threads);
 // - rows are read in place (K a multiple of 32); the last block of rows, and x when K is not, goes
 //   through a zero-padded copy, so tiles never read past the input.
 // Sums are float32, rounded to bfloat16 once (to nearest even), as oneDNN's are; they differ from it by
@@ -36,7 +37,7 @@ constexpr int64_t TN = 16;                 // output columns of a B tile
 constexpr int64_t TM = 16;                 // rows of an A / C tile
 constexpr int64_t PAIR_COLS = 2 * TN;      // output columns of a pair (gated: 16 gate + 16 up)
 constexpr int64_t PAIR_STEP = PAIR_COLS * TK;  // elements of one k-step of a pair (two B tiles)
-constexpr int64_t BLOCK_ROWS = 2 * TM;     // rows of a register block
+constexpr int64_t BLOCK_ROWS = TM;         // rows of a register block
 
 // Which source row feeds column j (0..31) of pair p, or -1 (zero padding).
 inline int64_t source_row(int64_t p, int64_t j, int64_t N, bool gated) {
@@ -100,39 +101,24 @@ void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-// One register block: rows [x, x + 16 * (TWO ? 2 : 1)) of x (row stride lda elements) times one pair,
-// float32 sums into c [32][32] (row block-major: rows 0-15 then 16-31, each row gate/first 16 columns then
-// the next 16).
+// One register block: 16 rows of x (row stride lda elements) times one pair, float32 sums into c [16][32]
+// (each row: the pair's first 16 columns, then the next 16). Tiles 0-1 accumulate, 4 holds x, 6-7 the weights.
 // pf: `pf_lines` 64-byte lines to prefetch into L2 each k-step, from pf on (the weights this thread runs next).
-template <bool TWO>
 inline void block(const bf16* x, int64_t lda, const bf16* b, int64_t KB, float* c, const char* pf, int pf_lines) {
   _tile_zero(0);
   _tile_zero(1);
-  if constexpr (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
   const int64_t stride = lda * (int64_t)sizeof(bf16);
   for (int64_t kb = 0; kb < KB; ++kb) {
     const bf16* bk = b + kb * PAIR_STEP;
     for (int l = 0; l < pf_lines; ++l) _mm_prefetch(pf + (kb * pf_lines + l) * 64, _MM_HINT_T1);
     _tile_loadd(4, x + kb * TK, stride);
     _tile_loadd(6, bk, 64);
-    _tile_loadd(7, bk + TN * TK, 64);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, bk + TN * TK, 64);
     _tile_dpbf16ps(1, 4, 7);
-    if constexpr (TWO) {
-      _tile_loadd(5, x + TM * lda + kb * TK, stride);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
   }
   _tile_stored(0, c, PAIR_COLS * sizeof(float));
   _tile_stored(1, c + TN, PAIR_COLS * sizeof(float));
-  if constexpr (TWO) {
-    _tile_stored(2, c + TM * PAIR_COLS, PAIR_COLS * sizeof(float));
-    _tile_stored(3, c + TM * PAIR_COLS + TN, PAIR_COLS * sizeof(float));
-  }
 }
 
 // 16 floats -> bfloat16 (to nearest even, as torch rounds; an already rounded value stays), n of them stored.
@@ -183,9 +169,9 @@ void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, 
     std::memset(dst + (m < M ? K : 0), 0, (KP - (m < M ? K : 0)) * sizeof(bf16));
   }
   const int64_t blocks = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
-  // Work items: (pair, run of row blocks). A run of up to 8 blocks (256 rows) keeps its x in L2 while the
-  // pair's weights stay in L1 / L2 across it; in decode (<= 64 rows) an item is one pair's whole column.
-  constexpr int64_t RUN = 8;
+  // Rows go in runs of up to 16 blocks (256 rows): a run's x stays in L2 while each pair's weights stay in
+  // L1 / L2 across its blocks; in decode (<= 64 rows) one run covers every row.
+  constexpr int64_t RUN = 16;
   const int64_t runs = (blocks + RUN - 1) / RUN;
   const int threads = at::get_num_threads();
   constexpr int64_t PAIR_LINES_PER_STEP = PAIR_STEP * sizeof(bf16) / 64;  // 32
@@ -215,10 +201,7 @@ void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, 
           const bf16* xa = m0 < direct ? x + m0 * K : padp + (m0 - direct) * KP;
           const int64_t lda = m0 < direct ? K : KP;
           const char* pf = next ? reinterpret_cast<const char*>(next) + (blk - blk_begin) * pf_lines * KB * 64 : nullptr;
-          if (rows > TM)
-            block<true>(xa, lda, bp, KB, c, pf, pf_lines);
-          else
-            block<false>(xa, lda, bp, KB, c, pf, pf_lines);
+          block(xa, lda, bp, KB, c, pf, pf_lines);
           epilogue<GATED>(c, rows, out + m0 * N + p * cols, N, ncols, biasp);
         }
       }
