@@ -37,6 +37,8 @@ inline void normalize_row(const float* x, const float* weight, float* out, int64
 }
 
 // out = rnd(weight * rnd(x * rsqrt(mean(x^2) + eps))): HF's RMSNorm in bfloat16 (norm in float32, cast, scale).
+// The sum of squares runs 8 lanes wide on every vector CPU (one summation order); the elementwise passes
+// 16 wide where AVX-512 is built (each element the same bits either way).
 inline void normalize_row(const bf16* x, const bf16* weight, bf16* out, int64_t n, float eps) {
   int64_t i = 0;
   float total = 0.f;
@@ -51,6 +53,11 @@ inline void normalize_row(const bf16* x, const bf16* weight, bf16* out, int64_t 
   for (; i < n; ++i) total += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   const float inv = 1.f / std::sqrt(total / n + eps);
   i = 0;
+#ifdef NANOINFER_AVX512
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16)
+    store16(out + i, rnd16(_mm512_mul_ps(load16(weight + i), rnd16(_mm512_mul_ps(load16(x + i), inv16)))));
+#endif
 #ifdef NANOINFER_AVX2
   const __m256 inv8 = _mm256_set1_ps(inv);
   for (; i + 8 <= n; i += 8) store8(out + i, rnd8(_mm256_mul_ps(load8(weight + i), rnd8(_mm256_mul_ps(load8(x + i), inv8)))));
@@ -64,6 +71,9 @@ inline void add_row(const float* x, float* residual, int64_t n) {
 }
 inline void add_row(const bf16* x, bf16* residual, int64_t n) {  // rounded, as a bfloat16 add
   int64_t i = 0;
+#ifdef NANOINFER_AVX512
+  for (; i + 16 <= n; i += 16) store16(residual + i, rnd16(_mm512_add_ps(load16(residual + i), load16(x + i))));
+#endif
 #ifdef NANOINFER_AVX2
   for (; i + 8 <= n; i += 8) store8(residual + i, rnd8(_mm256_add_ps(load8(residual + i), load8(x + i))));
 #endif
@@ -153,7 +163,32 @@ static void rotary_impl(const int64_t* pos, T* qp, T* kp, const torch::Tensor& q
     const float* s = sp + pos[t] * D;
     for (int64_t h = 0; h < heads; ++h) {
       T* x = base + t * token_stride + h * head_stride;
-      for (int64_t i = 0; i < half; ++i) {
+      int64_t i = 0;
+#ifdef NANOINFER_AVX512
+      if constexpr (kBf16) {  // the scalar loop's roundings, 16 (or 8) lanes at a time: 55 -> ~15 us a W step
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
+          const __m512 c1 = rnd16(_mm512_loadu_ps(c + i)), c2 = rnd16(_mm512_loadu_ps(c + i + half));
+          const __m512 s1 = rnd16(_mm512_loadu_ps(s + i)), s2 = rnd16(_mm512_loadu_ps(s + i + half));
+          const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+          store16(x + i, rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(x1, c1)), rnd16(_mm512_mul_ps(neg_x2, s1)))));
+          store16(x + i + half, rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(x2, c2)), rnd16(_mm512_mul_ps(x1, s2)))));
+        }
+      }
+#endif
+#ifdef NANOINFER_AVX2
+      if constexpr (kBf16) {
+        for (; i + 8 <= half; i += 8) {
+          const __m256 x1 = load8(x + i), x2 = load8(x + i + half);
+          const __m256 c1 = rnd8(_mm256_loadu_ps(c + i)), c2 = rnd8(_mm256_loadu_ps(c + i + half));
+          const __m256 s1 = rnd8(_mm256_loadu_ps(s + i)), s2 = rnd8(_mm256_loadu_ps(s + i + half));
+          const __m256 neg_x2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
+          store8(x + i, rnd8(_mm256_add_ps(rnd8(_mm256_mul_ps(x1, c1)), rnd8(_mm256_mul_ps(neg_x2, s1)))));
+          store8(x + i + half, rnd8(_mm256_add_ps(rnd8(_mm256_mul_ps(x2, c2)), rnd8(_mm256_mul_ps(x1, s2)))));
+        }
+      }
+#endif
+      for (; i < half; ++i) {
         const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
         const float c1 = r(c[i]), c2 = r(c[i + half]), s1 = r(s[i]), s2 = r(s[i + half]);
         if constexpr (kBf16) {

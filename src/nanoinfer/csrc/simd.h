@@ -151,6 +151,11 @@ static inline __m512 rnd16(__m512 x) {
   const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+// 16 floats already rounded to bfloat16 (rnd16), stored as bfloat16.
+static inline void store16(at::BFloat16* p, __m512 rounded) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
 #endif
 #endif
 
