@@ -137,14 +137,20 @@ def test_the_model_runs_its_small_ops_through_the_kernels_where_they_apply(tmp_p
     triton_out = llm.generate(prompts, params)
 
     # Per forward: 2 layers x (input norm, q norm, k norm, post-attention norm) + the final norm; rotary and
-    # SiLU once per layer. Two prompts in one prefill step, then 5 decode steps.
+    # SiLU once per layer (SiLU not at all where the AMX GEMM runs it in its epilogue). Two prompts in one
+    # prefill step, then 5 decode steps.
     steps = 6
+    packed = llm.engine.model_runner.model.model.layers[0].mlp.gate_up_proj.packed_weight
+    silu_in_gemm = packed is not None and packed.gated
     assert calls.count("rms_norm") == steps * (2 * 4 + 1)
-    assert calls.count("rotary_embedding") == calls.count("silu_and_mul") == steps * 2
+    assert calls.count("rotary_embedding") == steps * 2
+    assert calls.count("silu_and_mul") == (0 if silu_in_gemm else steps * 2)
     for a, b in zip(torch_out, triton_out):
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert first_a.token_id == first_b.token_id  # the first token: same greedy choice ...
-        assert abs(first_a.logprob - first_b.logprob) < 0.05  # ... with nearly the same probability
+        # ... with nearly the same probability: within about one bfloat16 step of a logit of magnitude 8-16
+        # (0.0625; the LM head's output is bfloat16), where the two paths' roundings of the norms differ.
+        assert abs(first_a.logprob - first_b.logprob) < 0.1
 
 
 def test_the_start_up_check_runs_every_kernel_and_reports_a_failure_in_one_line(device, monkeypatch):

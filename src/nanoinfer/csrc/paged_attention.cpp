@@ -21,9 +21,10 @@
 // cache, prefetching 3-8 rows ahead took 10-20% off the time (4 here; a row is 768 bytes for SmolLM2).
 constexpr int kPrefetchRows = 4;
 
+// Asks for heads [h0, h1) of the row at `row` (a token's whole row of KV heads).
 template <typename T>
-static inline void prefetch_row(const T* cache, const int* table, int t, int bs, int Hkv, int h0, int h1, int D) {
-  const char* p = reinterpret_cast<const char*>(row_ptr(cache, table, t, bs, Hkv, h0, D));
+static inline void prefetch_row(const T* row, int h0, int h1, int D) {
+  const char* p = reinterpret_cast<const char*>(row + (size_t)h0 * D);
   const size_t bytes = (size_t)(h1 - h0) * D * sizeof(T);
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
@@ -51,8 +52,8 @@ static inline float softmax_numerators(float* sq, int len, float max) {
 // whole rows is what this machine's memory does well; one head's slice of every row (a 256-byte read every
 // 768 bytes) measured 3x slower per byte than the whole rows.
 template <typename T>
-static void attend_avx2(const float* qf, const T* k, const T* v, const int* table, int len, int G, int D,
-                        int bs, int Hkv, int h0, int h1, float* scores, float* acc) {
+static void attend_avx2(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
+                        int Hkv, int h0, int h1, float* scores, float* acc) {
   const int chunks = D / 8;
   const int Hq = Hkv * G;
   std::vector<float> maxes(Hq, -INFINITY);
@@ -60,8 +61,8 @@ static void attend_avx2(const float* qf, const T* k, const T* v, const int* tabl
   // it per head cost more than the bytes saved: an fp8 cache ran W's decode slower than a bfloat16 one).
   alignas(32) float kf[256];
   for (int t = 0; t < len; ++t) {
-    const T* row = row_ptr(k, table, t, bs, Hkv, 0, D);
-    if (t + kPrefetchRows < len) prefetch_row(k, table, t + kPrefetchRows, bs, Hkv, h0, h1, D);
+    const T* row = k + rows[t];
+    if (t + kPrefetchRows < len) prefetch_row(k + rows[t + kPrefetchRows], h0, h1, D);
     for (int h = h0; h < h1; ++h) {
       const float* kp;
       if constexpr (std::is_same_v<T, float>) {
@@ -87,8 +88,8 @@ static void attend_avx2(const float* qf, const T* k, const T* v, const int* tabl
   for (int qh = h0 * G; qh < h1 * G; ++qh) inv_sums[qh] = 1.f / softmax_numerators(scores + (size_t)qh * len, len, maxes[qh]);
   std::fill(acc + (size_t)h0 * G * D, acc + (size_t)h1 * G * D, 0.f);
   for (int t = 0; t < len; ++t) {
-    const T* row = row_ptr(v, table, t, bs, Hkv, 0, D);
-    if (t + kPrefetchRows < len) prefetch_row(v, table, t + kPrefetchRows, bs, Hkv, h0, h1, D);
+    const T* row = v + rows[t];
+    if (t + kPrefetchRows < len) prefetch_row(v + rows[t + kPrefetchRows], h0, h1, D);
     for (int h = h0; h < h1; ++h) {
       const T* vp = row + (size_t)h * D;
       for (int c = 0; c < chunks; ++c) {
@@ -126,8 +127,8 @@ static inline __m256 hsum8x8(const __m256* v) {
 // pairs straight from the cache (vdpbf16ps: exact products, float32 sums) and scale the sum, instead of
 // widening each key slice to float32 first; bfloat16 W's attention was bound by that widening.
 template <typename T>
-static void attend_avx512(const float* qf, const T* k, const T* v, const int* table, int len, int G, int D,
-                          int bs, int Hkv, int h0, int h1, float* scores, float* acc,
+static void attend_avx512(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
+                          int Hkv, int h0, int h1, float* scores, float* acc,
                           const at::BFloat16* qb = nullptr, float scale = 1.f) {
   const int C = D / 16;
   const int q0 = h0 * G, q1 = h1 * G, nq = q1 - q0;
@@ -142,8 +143,8 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const int* ta
     const int nt = std::min(8, len - t0);
     for (int i = 0; i < nt; ++i) {
       const int t = t0 + i;
-      const T* row = row_ptr(k, table, t, bs, Hkv, 0, D);
-      if (t + kPrefetchRows < len) prefetch_row(k, table, t + kPrefetchRows, bs, Hkv, h0, h1, D);
+      const T* row = k + rows[t];
+      if (t + kPrefetchRows < len) prefetch_row(k + rows[t + kPrefetchRows], h0, h1, D);
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (qb != nullptr) {
@@ -206,12 +207,12 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const int* ta
   std::fill(acc + (size_t)q0 * D, acc + (size_t)q1 * D, 0.f);
   int t = 0;
   for (; t + 4 <= len; t += 4) {
-    const T* r0 = row_ptr(v, table, t, bs, Hkv, 0, D);
-    const T* r1 = row_ptr(v, table, t + 1, bs, Hkv, 0, D);
-    const T* r2 = row_ptr(v, table, t + 2, bs, Hkv, 0, D);
-    const T* r3 = row_ptr(v, table, t + 3, bs, Hkv, 0, D);
+    const T* r0 = v + rows[t];
+    const T* r1 = v + rows[t + 1];
+    const T* r2 = v + rows[t + 2];
+    const T* r3 = v + rows[t + 3];
     for (int i = 0; i < 4; ++i)
-      if (t + i + kPrefetchRows < len) prefetch_row(v, table, t + i + kPrefetchRows, bs, Hkv, h0, h1, D);
+      if (t + i + kPrefetchRows < len) prefetch_row(v + rows[t + i + kPrefetchRows], h0, h1, D);
     for (int h = h0; h < h1; ++h) {
       const size_t off = (size_t)h * D;
       for (int c = 0; c < C; ++c) {
@@ -232,7 +233,7 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const int* ta
     }
   }
   for (; t < len; ++t) {
-    const T* row = row_ptr(v, table, t, bs, Hkv, 0, D);
+    const T* row = v + rows[t];
     for (int h = h0; h < h1; ++h)
       for (int c = 0; c < C; ++c) {
         const __m512 vc = load16(row + (size_t)h * D + 16 * c);
@@ -250,10 +251,10 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const int* ta
 
 // The portable path: same algorithm, plain loops.
 template <typename T>
-static void attend_scalar(const float* qf, const T* k, const T* v, const int* table, int len, int G, int D,
-                          int bs, int Hkv, int h0, int h1, float* scores, float* acc) {
+static void attend_scalar(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
+                          int Hkv, int h0, int h1, float* scores, float* acc) {
   for (int t = 0; t < len; ++t) {
-    const T* row = row_ptr(k, table, t, bs, Hkv, 0, D);
+    const T* row = k + rows[t];
     for (int qh = h0 * G; qh < h1 * G; ++qh) {
       const T* kp = row + (size_t)(qh / G) * D;
       float s = 0.f;
@@ -271,7 +272,7 @@ static void attend_scalar(const float* qf, const T* k, const T* v, const int* ta
   }
   std::fill(acc + (size_t)h0 * G * D, acc + (size_t)h1 * G * D, 0.f);
   for (int t = 0; t < len; ++t) {
-    const T* row = row_ptr(v, table, t, bs, Hkv, 0, D);
+    const T* row = v + rows[t];
     for (int qh = h0 * G; qh < h1 * G; ++qh) {
       const T* vp = row + (size_t)(qh / G) * D;
       const float p = scores[(size_t)qh * len + t];
@@ -301,6 +302,7 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   #pragma omp parallel
   {
     std::vector<float> scores, qf((size_t)Hq * D), acc((size_t)Hq * D);
+    std::vector<size_t> rows;  // where each token's row starts (elements into either cache)
     #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int b = 0; b < B; ++b) {
       for (int part = 0; part < splits; ++part) {
@@ -310,20 +312,27 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
         for (int qh = h0 * G; qh < h1 * G; ++qh)
           for (int d = 0; d < D; ++d) qf[qh * D + d] = to_f(q[((size_t)b * Hq + qh) * D + d]) * scale;
         const int* table = tables + (size_t)b * max_blocks;
+        // Each token's row, walked block by block: the kernels' per-token t / bs and t % bs (two integer
+        // divisions for the row and two for the row they prefetch) held the key pass to ~10 GB/s.
+        rows.resize(len);
+        for (int t = 0, blk = 0, off = 0; t < len; ++t) {
+          rows[t] = ((size_t)table[blk] * bs + off) * (size_t)(Hkv * D);
+          if (++off == bs) off = 0, ++blk;
+        }
 #ifdef NANOINFER_AVX512
         if (vector512) {
           const at::BFloat16* qb = nullptr;
           if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>)
             if (D % 32 == 0) qb = q + (size_t)b * Hq * D;
-          attend_avx512(qf.data(), k, v, table, len, G, D, bs, Hkv, h0, h1, scores.data(), acc.data(), qb, scale);
+          attend_avx512(qf.data(), k, v, rows.data(), len, G, D, Hkv, h0, h1, scores.data(), acc.data(), qb, scale);
         } else
 #endif
 #ifdef NANOINFER_AVX2
         if (vector)
-          attend_avx2(qf.data(), k, v, table, len, G, D, bs, Hkv, h0, h1, scores.data(), acc.data());
+          attend_avx2(qf.data(), k, v, rows.data(), len, G, D, Hkv, h0, h1, scores.data(), acc.data());
         else
 #endif
-          attend_scalar(qf.data(), k, v, table, len, G, D, bs, Hkv, h0, h1, scores.data(), acc.data());
+          attend_scalar(qf.data(), k, v, rows.data(), len, G, D, Hkv, h0, h1, scores.data(), acc.data());
         for (int qh = h0 * G; qh < h1 * G; ++qh)
           for (int d = 0; d < D; ++d) out[((size_t)b * Hq + qh) * D + d] = static_cast<TQ>(acc[qh * D + d]);
       }

@@ -49,12 +49,6 @@ static void with_typed(const torch::Tensor& t, const char* what, F&& f) {
   TORCH_CHECK(false, what, ": float32 or bfloat16", CACHE ? " (or fp8 e4m3 / e5m2)" : "", ", got ", t.scalar_type());
 }
 
-// Where token t of a sequence lives: row (block * bs + offset), then KV head h.
-template <typename T>
-static inline const T* row_ptr(const T* cache, const int* table, int t, int bs, int Hkv, int h, int D) {
-  return cache + (((size_t)table[t / bs] * bs + t % bs) * Hkv + h) * D;
-}
-
 #ifdef NANOINFER_AVX2
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
