@@ -122,7 +122,7 @@ inline void block(const bf16* x, int64_t lda, const bf16* b, int64_t KB, float* 
 }
 
 // 16 floats -> bfloat16 (to nearest even, as torch rounds; an already rounded value stays), n of them stored.
-inline void store16(bf16* out, __m512 v, int n) {
+inline void store16_masked(bf16* out, __m512 v, int n) {
   const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << n) - 1), b);
 }
@@ -139,13 +139,13 @@ inline void epilogue(const float* c, int rows, bf16* out, int64_t ldc, int ncols
     if constexpr (GATED) {
       const __m512 g = rnd16(_mm512_load_ps(row)), u = rnd16(_mm512_load_ps(row + TN));
       const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      store16(o, _mm512_mul_ps(rnd16(silu), u), ncols);
+      store16_masked(o, _mm512_mul_ps(rnd16(silu), u), ncols);
     } else {
       for (int h = 0; h < 2 && h * TN < ncols; ++h) {
         const int n = std::min<int>(TN, ncols - h * TN);
         __m512 v = _mm512_load_ps(row + h * TN);
         if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), bias + h * TN));
-        store16(o + h * TN, v, n);
+        store16_masked(o + h * TN, v, n);
       }
     }
   }
