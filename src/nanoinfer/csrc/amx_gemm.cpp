@@ -236,25 +236,17 @@ torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed
   TORCH_CHECK(!gated || !(bias.has_value() && bias->defined()), "amx_linear: no bias with gated");
   const int64_t K = input.size(-1);
   TORCH_CHECK((K + TK - 1) / TK == KB, "amx_linear: input has ", K, " features, weight ", KB * TK, " (padded)");
-  auto sizes = input.sizes().vec();
-  sizes.back() = N;
-  const auto x = input.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  auto out = torch::empty({M, N}, x.options());
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "amx_linear: bias of ", N, " values, got ", bias->numel());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const LinearIO io = linear_io(input, K, N, bias, "amx_linear");
+  const int64_t M = io.x.size(0);
 #ifdef NANOINFER_AMX
   if (M > 0) {
-    const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-    const bf16* xp = x.data_ptr<bf16>();
+    const bf16* xp = io.x.data_ptr<bf16>();
+    bf16* op = io.out.data_ptr<bf16>();
     if (gated)
-      run_amx<true>(xp, M, K, packed.data_ptr<bf16>(), pairs, KB, bias_ptr, out.data_ptr<bf16>(), N);
+      run_amx<true>(xp, M, K, packed.data_ptr<bf16>(), pairs, KB, io.bias_ptr(), op, N);
     else
-      run_amx<false>(xp, M, K, packed.data_ptr<bf16>(), pairs, KB, bias_ptr, out.data_ptr<bf16>(), N);
+      run_amx<false>(xp, M, K, packed.data_ptr<bf16>(), pairs, KB, io.bias_ptr(), op, N);
   }
 #endif
-  return out.view(sizes);
+  return io.out.view(io.sizes);
 }

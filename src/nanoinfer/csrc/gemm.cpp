@@ -368,28 +368,21 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
   TORCH_CHECK(!gated || !(bias.has_value() && bias->defined()), "packed_linear: no bias with gated");
   const int64_t K = packed.size(1);
   TORCH_CHECK(input.size(-1) == K, "packed_linear: input has ", input.size(-1), " features, weight ", K);
-  auto sizes = input.sizes().vec();
-  sizes.back() = N;
-  const auto x = input.reshape({-1, K}).contiguous();
+  const LinearIO io = linear_io(input, K, N, bias, "packed_linear");
+  const auto& x = io.x;
   const int64_t M = x.size(0);
-  auto out = torch::empty({M, N}, x.options());
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "packed_linear: bias of ", N, " values, got ", bias->numel());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const float* bias_ptr = io.bias_ptr();
   if (M > 0) {
     with_typed<false>(x, "packed_linear", [&](auto* xp) {
       using T = std::remove_pointer_t<decltype(xp)>;
       const T* b = packed.data_ptr<T>();
       if (gated)
-        run_linear<true>(xp, b, bias_ptr, out.data_ptr<T>(), M, K, N, packed.size(0));
+        run_linear<true>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, packed.size(0));
       else
-        run_linear<false>(xp, b, bias_ptr, out.data_ptr<T>(), M, K, N, packed.size(0));
+        run_linear<false>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, packed.size(0));
     });
   }
-  return out.view(sizes);
+  return io.out.view(io.sizes);
 }
 
 bool has_avx2() {

@@ -49,6 +49,27 @@ static void with_typed(const torch::Tensor& t, const char* what, F&& f) {
   TORCH_CHECK(false, what, ": float32 or bfloat16", CACHE ? " (or fp8 e4m3 / e5m2)" : "", ", got ", t.scalar_type());
 }
 
+// What a packed linear kernel (csrc/gemm.cpp, csrc/amx_gemm.cpp) works on: x as contiguous [M, K] rows, the
+// [M, N] output, the shape to return it in (input's, with N features) and the bias in float32 (or none).
+struct LinearIO {
+  torch::Tensor x, out, bias;
+  std::vector<int64_t> sizes;
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+};
+static inline LinearIO linear_io(const torch::Tensor& input, int64_t K, int64_t N,
+                                 const c10::optional<torch::Tensor>& bias, const char* what) {
+  LinearIO io;
+  io.sizes = input.sizes().vec();
+  io.sizes.back() = N;
+  io.x = input.reshape({-1, K}).contiguous();
+  io.out = torch::empty({io.x.size(0), N}, io.x.options());
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, what, ": bias of ", N, " values, got ", bias->numel());
+    io.bias = bias->to(at::kFloat).contiguous();
+  }
+  return io;
+}
+
 #ifdef NANOINFER_AVX2
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
