@@ -64,7 +64,7 @@ class _WithFallback:
         return getattr(self._build, name) if hasattr(self._build, name) else getattr(self._other, name)
 
 
-def ab_decode(builds: dict, reps: int, batch: int) -> None:
+def ab_decode(builds: dict, reps: int, batch: int, dtype: str) -> None:
     import nanoinfer.cpu_ops as cpu_ops_module
     from nanoinfer.llm import LLM
     from nanoinfer.sampling_params import SamplingParams
@@ -77,7 +77,7 @@ def ab_decode(builds: dict, reps: int, batch: int) -> None:
     builds = {a: _WithFallback(ops_a, ops_b), b: _WithFallback(ops_b, ops_a)}
 
     cpu_ops_module._module = next(iter(builds.values()))  # the engine packs its weights with the first
-    llm = LLM(model="smollm2-135m-instruct", dtype="float32")
+    llm = LLM(model="smollm2-135m-instruct", dtype=dtype)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
     per_step = {name: [] for name in builds}
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="turns per build (default: 10 gemm, 3 decode)")
     parser.add_argument("--batch", type=int, default=64, help="decode: sequences per step")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="decode: the model's dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     builds = {"A": load_build(args.a), "B": load_build(args.b)}
@@ -111,7 +112,7 @@ def main() -> None:
     if args.what == "gemm":
         ab_gemm(builds, args.reps or 10)
     else:
-        ab_decode(builds, args.reps or 3, args.batch)
+        ab_decode(builds, args.reps or 3, args.batch, args.dtype)
 
 
 if __name__ == "__main__":

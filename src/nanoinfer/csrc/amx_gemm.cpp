@@ -19,16 +19,9 @@
 //   through a zero-padded copy, so tiles never read past the input.
 // Sums are float32, rounded to bfloat16 once (to nearest even), as oneDNN's are; they differ from it by
 // summation order only.
-#include "simd.h"
+#include "amx.h"
 
 #include <ATen/Parallel.h>
-
-#if defined(NANOINFER_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
-#define NANOINFER_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -78,28 +71,6 @@ torch::Tensor pack_amx_weight(const torch::Tensor& weight, bool gated) {
 
 #ifdef NANOINFER_AMX
 namespace {
-
-// Linux keeps AMX's tile state off until a process asks for it (arch_prctl, kernel 5.16+); asked once.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes: C tiles 16 x 16 float32, A 16 rows x 32 bfloat16, B 16 k-pairs x 16 columns.
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
 
 // One register block: 16 rows of x (row stride lda elements) times one pair, float32 sums into c [16][32]
 // (each row: the pair's first 16 columns, then the next 16). Tiles 0-1 accumulate, 4 holds x, 6-7 the weights.

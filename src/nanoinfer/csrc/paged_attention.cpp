@@ -10,7 +10,7 @@
 // Other CPUs take the portable scalar path, with the same results up to float32 rounding.
 // The cache may be bfloat16 or fp8 (e4m3 / e5m2) under float32 queries (kv_cache_dtype): each element is
 // widened in registers, and the whole-row reads move a half or a quarter of the bytes.
-#include "simd.h"
+#include "amx.h"
 
 #include <type_traits>
 
@@ -139,14 +139,65 @@ static inline void key_dots_bf16(const at::BFloat16* row, const at::BFloat16* qb
 }
 #endif
 
+// The value pass of one sequence, KV heads [h0, h1): acc [Hq, D] (query heads [h0 G, h1 G)) = the sum over its
+// tokens of p(qh, t) times the token's value row, where p(qh, t) = probs[qh - h0 G][t * ts] (the softmax
+// numerators, in whichever layout the key pass left them). 4 tokens at a time, so each accumulator is loaded
+// and stored once per 4 FMAs; each output element still sums its tokens in order.
+template <typename T>
+static void value_pass_avx512(const T* v, const size_t* rows, int len, int G, int D, int h0, int h1,
+                              const float* const* probs, int ts, float* acc) {
+  const int C = D / 16;
+  const int q0 = h0 * G, q1 = h1 * G;
+  std::fill(acc + (size_t)q0 * D, acc + (size_t)q1 * D, 0.f);
+  int t = 0;
+  for (; t + 4 <= len; t += 4) {
+    const T* r0 = v + rows[t];
+    const T* r1 = v + rows[t + 1];
+    const T* r2 = v + rows[t + 2];
+    const T* r3 = v + rows[t + 3];
+    for (int i = 0; i < 4; ++i)
+      if (t + i + kPrefetchRows < len) prefetch_row(v + rows[t + i + kPrefetchRows], h0, h1, D);
+    for (int h = h0; h < h1; ++h) {
+      const size_t off = (size_t)h * D;
+      for (int c = 0; c < C; ++c) {
+        const __m512 v0 = load16(r0 + off + 16 * c), v1 = load16(r1 + off + 16 * c);
+        const __m512 v2 = load16(r2 + off + 16 * c), v3 = load16(r3 + off + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const int qh = h * G + g;
+          const float* p = probs[qh - q0] + (size_t)t * ts;
+          float* a = acc + qh * D + 16 * c;
+          __m512 x = _mm512_loadu_ps(a);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[0]), v0, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[ts]), v1, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[2 * ts]), v2, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[3 * ts]), v3, x);
+          _mm512_storeu_ps(a, x);
+        }
+      }
+    }
+  }
+  for (; t < len; ++t) {
+    const T* row = v + rows[t];
+    for (int h = h0; h < h1; ++h)
+      for (int c = 0; c < C; ++c) {
+        const __m512 vc = load16(row + (size_t)h * D + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const int qh = h * G + g;
+          float* a = acc + qh * D + 16 * c;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[qh - q0][(size_t)t * ts]), vc, _mm512_loadu_ps(a)));
+        }
+      }
+  }
+}
+
 // attend_avx2's algorithm in about a quarter of its instructions, so that the cache's bytes, not the core,
 // set the pace (a bfloat16 cache ran at 10 GB/s of this machine's ~22 with the AVX2 loop):
 // - scores: 16-lane dot products, each folded to 8 lanes and parked; every 8 tokens one transposing
 //   reduction (hsum8x8) gives a head's 8 scores, where the AVX2 loop reduced each dot on its own;
-// - values: 4 tokens at a time, so each accumulator is loaded and stored once per 4 FMAs, not per FMA.
-//   Each output element still sums its tokens in order, with the AVX2 loop's FMAs.
+// - values: value_pass_avx512 (4 tokens at a time).
 //
-// qb: where both the queries and the cache are bfloat16 and the CPU has AVX512-BF16, the unscaled bfloat16
+// qb: where both the queries and the cache are bfloat16 and the CPU has AVX512-BF16 but no AMX (else
+// attend_amx runs), the unscaled bfloat16
 // queries of this sequence ([Hq, D], D a multiple of 32), else null. The key dots then multiply bfloat16
 // pairs straight from the cache (vdpbf16ps: exact products, float32 sums) and scale the sum, instead of
 // widening each key slice to float32 first; bfloat16 W's attention was bound by that widening.
@@ -222,48 +273,126 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
     const float m = *std::max_element(maxes8 + j * 8, maxes8 + j * 8 + 8);
     inv_sums[j] = 1.f / softmax_numerators(scores + (size_t)(q0 + j) * len, len, m);
   }
-  std::fill(acc + (size_t)q0 * D, acc + (size_t)q1 * D, 0.f);
-  int t = 0;
-  for (; t + 4 <= len; t += 4) {
-    const T* r0 = v + rows[t];
-    const T* r1 = v + rows[t + 1];
-    const T* r2 = v + rows[t + 2];
-    const T* r3 = v + rows[t + 3];
-    for (int i = 0; i < 4; ++i)
-      if (t + i + kPrefetchRows < len) prefetch_row(v + rows[t + i + kPrefetchRows], h0, h1, D);
-    for (int h = h0; h < h1; ++h) {
-      const size_t off = (size_t)h * D;
-      for (int c = 0; c < C; ++c) {
-        const __m512 v0 = load16(r0 + off + 16 * c), v1 = load16(r1 + off + 16 * c);
-        const __m512 v2 = load16(r2 + off + 16 * c), v3 = load16(r3 + off + 16 * c);
-        for (int g = 0; g < G; ++g) {
-          const int qh = h * G + g;
-          const float* p = scores + (size_t)qh * len + t;
-          float* a = acc + qh * D + 16 * c;
-          __m512 x = _mm512_loadu_ps(a);
-          x = _mm512_fmadd_ps(_mm512_set1_ps(p[0]), v0, x);
-          x = _mm512_fmadd_ps(_mm512_set1_ps(p[1]), v1, x);
-          x = _mm512_fmadd_ps(_mm512_set1_ps(p[2]), v2, x);
-          x = _mm512_fmadd_ps(_mm512_set1_ps(p[3]), v3, x);
-          _mm512_storeu_ps(a, x);
-        }
-      }
-    }
-  }
-  for (; t < len; ++t) {
-    const T* row = v + rows[t];
-    for (int h = h0; h < h1; ++h)
-      for (int c = 0; c < C; ++c) {
-        const __m512 vc = load16(row + (size_t)h * D + 16 * c);
-        for (int g = 0; g < G; ++g) {
-          const int qh = h * G + g;
-          float* a = acc + qh * D + 16 * c;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[(size_t)qh * len + t]), vc, _mm512_loadu_ps(a)));
-        }
-      }
-  }
+  std::vector<const float*> probs(nq);
+  for (int j = 0; j < nq; ++j) probs[j] = scores + (size_t)(q0 + j) * len;
+  value_pass_avx512(v, rows, len, G, D, h0, h1, probs.data(), 1, acc);
   for (int j = 0; j < nq; ++j)
     for (int d = 0; d < D; ++d) acc[(q0 + j) * D + d] *= inv_sums[j];
+}
+#endif
+
+#ifdef NANOINFER_AMX
+// The key pass on AMX, for bfloat16 queries over a bfloat16 cache: one tile product gives 16 tokens' scores
+// for up to 16 query heads. The keys are read in place as A tiles (16 tokens' rows, 32 dims of one KV head
+// each; row stride Hkv * D); the queries are packed once per sequence as B tiles, each KV head's 32-dim chunk
+// against all 16 query columns, zero in the columns of other KV heads' queries, so summing the products of
+// every head's chunks leaves each column the dots with its own KV head. With vdpbf16ps (attend_avx512) the
+// key pass was bound by the core, not the cache's bytes: 20 ms for 30 layers of W-sized sequences even with
+// the cache in L3. Measured standalone (64 sequences x 190-290 tokens x 30 layers, 2 threads, old and new
+// alternated): cache in L3 17.0 -> 13.6 ms; cache in DRAM 23.2 -> 22.6 ms, where both passes now wait on
+// memory (each alone at ~11-15 GB/s of the ~20 this VM reads) and the softmax's exponentials take ~13%.
+// The scores stay token-major ([token][16 columns], as the tile stores them): the softmax runs with query
+// heads as lanes and the value pass reads them with a stride of 16.
+// One sequence, KV heads [h0, h1): qb its bfloat16 queries [Hq, D] (D a multiple of 32, G <= 16); acc [Hq, D]
+// scratch; out its output rows [Hq, D].
+static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::BFloat16* v, const size_t* rows,
+                       int len, int G, int D, int Hkv, int h0, int h1, float scale, float* acc, at::BFloat16* out) {
+  using bf16 = at::BFloat16;
+  constexpr int kTile = 16 * 32;                // bfloat16 elements of an A or B tile
+  const int CD = D / 32, row_len = Hkv * D;     // a head's 32-dim chunks; elements of a token's cache row
+  const int hg = 16 / G;                        // KV heads whose query heads share one tile's 16 columns
+  const int groups = (h1 - h0 + hg - 1) / hg;
+  const int lp = (len + 31) / 32 * 32;          // tokens, padded to whole pairs of tiles
+  const int q0 = h0 * G, nq = (h1 - h0) * G;
+  const int64_t stride = (int64_t)row_len * sizeof(bf16);
+  static thread_local std::vector<float> scores_buf, inv_buf;
+  static thread_local std::vector<bf16> qpack_buf, pad_buf;
+  static thread_local std::vector<const float*> probs;
+  scores_buf.resize((size_t)groups * lp * 16);
+  inv_buf.resize(nq);
+  qpack_buf.resize((size_t)hg * CD * kTile);
+  pad_buf.resize((size_t)32 * row_len);
+  probs.resize(nq);
+  bf16* qpack = qpack_buf.data();
+  bf16* pad = pad_buf.data();
+  for (int gi = 0; gi < groups; ++gi) {
+    const int a = h0 + gi * hg, b = std::min(h1, a + hg), nch = (b - a) * CD;
+    float* sg = scores_buf.data() + (size_t)gi * lp * 16;
+    // B tiles: chunk j (head a + j / CD, dims 32 (j % CD)..): row kk / 2 holds dims kk, kk + 1 of column n.
+    std::fill(qpack, qpack + (size_t)nch * kTile, bf16(0.f));
+    for (int j = 0; j < nch; ++j) {
+      const int h = a + j / CD, c = j % CD;
+      for (int g = 0; g < G; ++g) {
+        const int n = (h - a) * G + g;
+        const bf16* src = qb + (size_t)(h * G + g) * D + 32 * c;
+        for (int kk = 0; kk < 32; ++kk) qpack[(size_t)j * kTile + (kk / 2) * 32 + n * 2 + (kk & 1)] = src[kk];
+      }
+    }
+    for (int t0 = 0; t0 < len; t0 += 32) {
+      // A tiles: 16 tokens' rows in place when they are evenly spaced (one block of the cache), else copied
+      // into a zero-padded buffer (the last tokens, or a block boundary inside a tile when block_size < 16).
+      const bf16* tile_rows[2];
+      const int ntiles = len - t0 > 16 ? 2 : 1;
+      for (int i = 0; i < ntiles; ++i) {
+        const int tb = t0 + 16 * i, nt = std::min(16, len - tb);
+        bool even = nt == 16;
+        for (int m = 1; even && m < 16; ++m) even = rows[tb + m] == rows[tb] + (size_t)m * row_len;
+        if (even) {
+          tile_rows[i] = k + rows[tb];
+        } else {
+          bf16* dst = pad + (size_t)i * 16 * row_len;
+          for (int m = 0; m < 16; ++m) {
+            if (m < nt) std::memcpy(dst + (size_t)m * row_len, k + rows[tb + m], row_len * sizeof(bf16));
+            else std::memset(dst + (size_t)m * row_len, 0, row_len * sizeof(bf16));
+          }
+          tile_rows[i] = dst;
+        }
+      }
+      // The next 32 tokens' keys, while these compute (a few percent; prefetching 64-128 tokens ahead, or
+      // into L2, measured the same).
+      for (int t = t0 + 32; t < std::min(len, t0 + 64); ++t) prefetch_row(k + rows[t], a, b, D);
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int j = 0; j < nch; ++j) {
+        const int off = (a + j / CD) * D + 32 * (j % CD);
+        _tile_loadd(4, qpack + (size_t)j * kTile, 64);
+        _tile_loadd(2, tile_rows[0] + off, stride);
+        _tile_dpbf16ps(0, 2, 4);
+        if (ntiles == 2) {
+          _tile_loadd(3, tile_rows[1] + off, stride);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      _tile_stored(0, sg + (size_t)t0 * 16, 64);
+      if (ntiles == 2) _tile_stored(1, sg + (size_t)(t0 + 16) * 16, 64);
+    }
+    // Softmax numerators, query heads as lanes: scale, the running max, then exp and sums, as attend_avx512.
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < len; ++t) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sg + t * 16), scale16);
+      _mm512_storeu_ps(sg + t * 16, s);
+      mx = _mm512_max_ps(mx, s);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < len; ++t) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t * 16), mx));
+      _mm512_storeu_ps(sg + t * 16, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, sum);
+    for (int qh = a * G; qh < b * G; ++qh) {
+      probs[qh - q0] = sg + (qh - a * G);
+      inv_buf[qh - q0] = 1.f / sums[qh - a * G];
+    }
+  }
+  value_pass_avx512(v, rows, len, G, D, h0, h1, probs.data(), 16, acc);
+  for (int j = 0; j < nq; ++j) {
+    const __m512 inv = _mm512_set1_ps(inv_buf[j]);
+    for (int d = 0; d < D; d += 16)
+      store16(out + (size_t)(q0 + j) * D + d, rnd16(_mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(q0 + j) * D + d), inv)));
+  }
 }
 #endif
 
@@ -313,6 +442,15 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
 #ifdef NANOINFER_AVX512
   const bool vector512 = D % 16 == 0 && D <= 256;
 #endif
+#ifdef NANOINFER_AMX
+  // The key pass on AMX (attend_amx) where queries and cache are bfloat16 and the CPU lets this process use
+  // its tiles.
+  bool amx = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16> && D % 32 == 0 &&
+             D <= 256 && G <= 16 && amx_permitted();
+#ifdef NANOINFER_NO_AMX_ATTN
+  amx = false;
+#endif
+#endif
   // Work items: whole sequences when there are enough of them to keep every thread busy, else one KV
   // head of one sequence (a few long sequences still use all threads).
   const int splits = B >= 4 * omp_get_max_threads() ? 1 : Hkv;
@@ -321,14 +459,14 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   {
     std::vector<float> scores, qf((size_t)Hq * D), acc((size_t)Hq * D);
     std::vector<size_t> rows;  // where each token's row starts (elements into either cache)
+#ifdef NANOINFER_AMX
+    if (amx) load_tile_config();
+#endif
     #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int b = 0; b < B; ++b) {
       for (int part = 0; part < splits; ++part) {
         const int len = lens[b];
         const int h0 = part * heads_per_item, h1 = h0 + heads_per_item;
-        scores.resize((size_t)Hq * len);
-        for (int qh = h0 * G; qh < h1 * G; ++qh)
-          for (int d = 0; d < D; ++d) qf[qh * D + d] = to_f(q[((size_t)b * Hq + qh) * D + d]) * scale;
         const int* table = tables + (size_t)b * max_blocks;
         // Each token's row, walked block by block once for both passes: the kernels computed t / bs and
         // t % bs per token, for the row and again for the row they prefetch (8% of the kernel, standalone).
@@ -337,24 +475,40 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
           rows[t] = ((size_t)table[blk] * bs + off) * (size_t)(Hkv * D);
           if (++off == bs) off = 0, ++blk;
         }
-#ifdef NANOINFER_AVX512
-        if (vector512) {
-          const at::BFloat16* qb = nullptr;
+#ifdef NANOINFER_AMX
+        if (amx) {
           if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>)
-            if (D % 32 == 0) qb = q + (size_t)b * Hq * D;
-          attend_avx512(qf.data(), k, v, rows.data(), len, G, D, h0, h1, scores.data(), acc.data(), qb, scale);
-        } else
+            attend_amx(q + (size_t)b * Hq * D, k, v, rows.data(), len, G, D, Hkv, h0, h1, scale, acc.data(),
+                       out + (size_t)b * Hq * D);
+          continue;
+        }
+#endif
+        {
+          scores.resize((size_t)Hq * len);
+          for (int qh = h0 * G; qh < h1 * G; ++qh)
+            for (int d = 0; d < D; ++d) qf[qh * D + d] = to_f(q[((size_t)b * Hq + qh) * D + d]) * scale;
+#ifdef NANOINFER_AVX512
+          if (vector512) {
+            const at::BFloat16* qb = nullptr;
+            if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>)
+              if (D % 32 == 0) qb = q + (size_t)b * Hq * D;
+            attend_avx512(qf.data(), k, v, rows.data(), len, G, D, h0, h1, scores.data(), acc.data(), qb, scale);
+          } else
 #endif
 #ifdef NANOINFER_AVX2
-        if (vector)
-          attend_avx2(qf.data(), k, v, rows.data(), len, G, D, Hkv, h0, h1, scores.data(), acc.data());
-        else
+          if (vector)
+            attend_avx2(qf.data(), k, v, rows.data(), len, G, D, Hkv, h0, h1, scores.data(), acc.data());
+          else
 #endif
-          attend_scalar(qf.data(), k, v, rows.data(), len, G, D, h0, h1, scores.data(), acc.data());
+            attend_scalar(qf.data(), k, v, rows.data(), len, G, D, h0, h1, scores.data(), acc.data());
+        }
         for (int qh = h0 * G; qh < h1 * G; ++qh)
           for (int d = 0; d < D; ++d) out[((size_t)b * Hq + qh) * D + d] = static_cast<TQ>(acc[qh * D + d]);
       }
     }
+#ifdef NANOINFER_AMX
+    if (amx) _tile_release();
+#endif
   }
   (void)vector;
 }

@@ -1,0 +1,35 @@
+// Shared by the kernels that use Intel AMX (Sapphire Rapids and later): the build test, the permission Linux
+// asks for, and the one tile shape they all use. amx_gemm.cpp (linears) and paged_attention.cpp (decode's
+// key dots) include it; without AMX in the build NANOINFER_AMX is undefined and both keep their other paths.
+#pragma once
+#include "simd.h"
+
+#if defined(NANOINFER_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define NANOINFER_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux keeps AMX's tile state off until a process asks for it (arch_prctl, kernel 5.16+); asked once.
+static inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: a float32 accumulator of 16 x 16, a bfloat16 A of 16 rows x 32, a B of 16
+// k-pairs x 16 columns. Per thread; a kernel loads it on entry to its parallel region and releases on exit.
+static inline void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+#endif
