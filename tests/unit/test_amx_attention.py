@@ -1,7 +1,9 @@
-"""Decode attention's AMX key pass (csrc/paged_attention.cpp, attend_amx): bfloat16 queries over a bfloat16 cache
-on a CPU with AMX. Against reference.py in float64, over the tile edge cases: sequences shorter than a tile,
-partial tiles, block sizes under 16 (tiles that cross blocks go through a padded copy), head groupings that
-fill the 16 query columns differently, and a grouping too wide for them (the AVX-512 path takes it)."""
+"""The AMX attention paths for bfloat16 queries over a bfloat16 cache, on a CPU with AMX, against float64:
+- decode's key pass (csrc/paged_attention.cpp, attend_amx), over the tile edge cases: sequences shorter than a
+  tile, partial tiles, block sizes under 16 (tiles that cross blocks go through a padded copy), head groupings
+  that fill the 16 query columns differently, and a grouping too wide for them (the AVX-512 path takes it);
+- prefill (csrc/prefill_attention.cpp, attend_amx): fresh prompts and chunks over a cached prefix, lengths
+  around the 16-row, 32-key and 64-key tile edges, head sizes of one, two and four 32-dim chunks."""
 
 from __future__ import annotations
 
@@ -97,3 +99,43 @@ def test_amx_path_agrees_with_the_generic_reference_of_the_engine():
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
     got = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, 0.125)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def _prefill_reference(query, k_cache, v_cache, tables, q_starts, q_lens, seq_lens, scale):
+    """float64 causal attention of each chunk's queries (the last q_len positions of its sequence)."""
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // hkv
+    for b, (start, q_len, n) in enumerate(zip(q_starts.tolist(), q_lens.tolist(), seq_lens.tolist())):
+        slots = [int(tables[b, t // bs]) * bs + t % bs for t in range(n)]
+        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        q = query[start: start + q_len].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        positions = torch.arange(n - q_len, n)
+        scores = scores.masked_fill(torch.arange(n)[None, :] > positions[:, None], float("-inf"))
+        out[start: start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [64, 256])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (16, 2)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_amx_prefill_attention_matches_float64_reference(block_size, heads, head_dim):
+    # (q_len, seq_len): fresh prompts around the tile edges, and chunks after a cached prefix.
+    chunks = [(1, 1), (15, 15), (16, 16), (17, 17), (33, 33), (64, 64), (65, 65), (300, 300), (20, 150), (1, 97),
+              (64, 200)]
+    q_lens = [q for q, _ in chunks]
+    seq_lens = [n for _, n in chunks]
+    _, k_cache, v_cache, tables, lens = _decode_batch(seq_lens, *heads, head_dim, block_size, seed=head_dim + 1)
+    gen = torch.Generator().manual_seed(block_size)
+    query = torch.randn(sum(q_lens), heads[0], head_dim, generator=gen).bfloat16()
+    q_starts = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens))], dtype=torch.int32)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = torch.empty_like(query)
+    cpu_ops().paged_prefill(query, k_cache, v_cache, tables, q_starts, q_lens_t, lens, scale, out)
+    expected = _prefill_reference(query, k_cache, v_cache, tables, q_starts, q_lens_t, lens, scale)
+    # The probabilities are rounded to bfloat16 for the second product (as torch's bfloat16 flash attention
+    # does), then the bfloat16 output: a few steps of 2^-8 relative at most.
+    torch.testing.assert_close(out.double(), expected, rtol=2**-6, atol=1e-2)

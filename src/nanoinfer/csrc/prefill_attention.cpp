@@ -12,7 +12,7 @@
 //
 // Why our own: torch's SDPA took W's prefill attention (64 prompts of 32-256 tokens, 30 layers: one call per
 // prompt per layer, 1,920 calls) at ~23 GFLOP/s; see benchmarks/README.md for this kernel's figures.
-#include "simd.h"
+#include "amx.h"
 
 #include <array>
 #include <type_traits>
@@ -207,6 +207,193 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
   }
 }
 
+#ifdef NANOINFER_AMX
+// The same flash attention on AMX, for bfloat16 queries over a bfloat16 cache: both products are tile products
+// (16 rows x 16 columns x 32 per instruction), and what stays on the vector units is the online softmax.
+// Per chunk and KV head, keys and values are packed once as B tiles (a B tile's row holds 16 columns' pairs
+// of consecutive k values):
+// - keys: kb[g][c] (16 keys 16 g.., dims 32 c..), row i = dims 32 c + 2 i, + 1 of each key;
+// - values: vb[g][c] (32 keys 32 g.., dims 16 c..), row i = keys 32 g + 2 i, + 1 of each dim.
+// The probabilities are rounded to bfloat16 for the second product, as torch's own bfloat16 CPU flash
+// attention does; sums are float32.
+constexpr int kTileElems = 16 * 32;  // bfloat16 elements of an A or B tile
+
+void pack_kv_amx(const bf16* kc, const bf16* vc, const Chunk& c, int h, int Hkv, int D, int bs, bf16* kb, bf16* vb) {
+  const int64_t kv_stride = (int64_t)Hkv * D;
+  const int keys = (c.seq_len + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int CK = D / 32, CV = D / 16;
+  auto row = [&](int key) { return ((int64_t)c.table[key / bs] * bs + key % bs) * kv_stride + (int64_t)h * D; };
+  // Keys: a key's 32 dims are 16 dword pairs; pair i goes to row i of its group's tile, column key % 16.
+  const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  for (int key = 0; key < keys; ++key) {
+    const bool real = key < c.seq_len;
+    int* dst = reinterpret_cast<int*>(kb + (size_t)(key / 16) * CK * kTileElems) + key % 16;
+    for (int ck = 0; ck < CK; ++ck) {
+      const __m512i v = real ? _mm512_loadu_si512(kc + row(key) + 32 * ck) : _mm512_setzero_si512();
+      _mm512_i32scatter_epi32(dst + (size_t)ck * kTileElems / 2, rows16, v, 4);
+    }
+  }
+  // Values: keys 2 i and 2 i + 1 interleaved dim by dim make row i of a tile (16 dims: one 32-dim load of
+  // both keys gives two tiles' rows).
+  const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                       0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
+                                       0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int key = 0; key < keys; key += 2) {
+    bf16* dst = vb + (size_t)(key / 32) * CV * kTileElems + ((key % 32) / 2) * 32;
+    for (int ck = 0; ck < CK; ++ck) {
+      const __m512i a = key < c.seq_len ? _mm512_loadu_si512(vc + row(key) + 32 * ck) : _mm512_setzero_si512();
+      const __m512i b = key + 1 < c.seq_len ? _mm512_loadu_si512(vc + row(key + 1) + 32 * ck) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + (size_t)(2 * ck) * kTileElems, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(dst + (size_t)(2 * ck + 1) * kTileElems, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// attend's work item on tiles: rows in blocks of 16 (position-major as there), each against the key tile's
+// 16-key groups its last row can see.
+void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb, bf16* out, int64_t out_stride,
+                const Chunk& c, int p0, int p1, int h, int G, int D, float scale, std::vector<float>& work,
+                std::vector<bf16>& qwork) {
+  const int rows = (p1 - p0) * G;
+  const int rtiles = (rows + 15) / 16;
+  const int CK = D / 32, CV = D / 16;
+  work.resize((size_t)rtiles * 16 * D + 16 * kKeyTile + 2 * (size_t)rtiles * 16);
+  qwork.resize((size_t)rtiles * 16 * D + 16 * kKeyTile);
+  float* O = work.data();                       // [rtiles * 16, D], unnormalised
+  float* S = O + (size_t)rtiles * 16 * D;       // [16, kKeyTile]: one row block's scores
+  float* m = S + 16 * kKeyTile;                 // running max per row
+  float* l = m + (size_t)rtiles * 16;           // running sum per row
+  bf16* Q = qwork.data();                       // [rtiles * 16, D], zero past the last row
+  bf16* P = Q + (size_t)rtiles * 16 * D;        // [16, kKeyTile]: probabilities, rounded
+  const int first_pos = c.seq_len - c.q_len;
+  auto pos = [&](int r) { return first_pos + p0 + r / G; };
+  for (int r = 0; r < rtiles * 16; ++r) {
+    if (r < rows)
+      std::memcpy(Q + (size_t)r * D, q + (c.q_start + p0 + r / G) * q_stride + (int64_t)(h * G + r % G) * D,
+                  D * sizeof(bf16));
+    else
+      std::memset(Q + (size_t)r * D, 0, D * sizeof(bf16));
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(O, O + (size_t)rtiles * 16 * D, 0.f);
+  const int64_t q_bytes = (int64_t)D * sizeof(bf16), o_bytes = (int64_t)D * sizeof(float);
+  const int keys = pos(rows - 1) + 1;
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int k0 = 0; k0 < keys; k0 += kKeyTile) {
+    const int n = std::min(kKeyTile, keys - k0);
+    for (int rt = 0; rt < rtiles; ++rt) {
+      const int r0 = rt * 16, R = std::min(16, rows - r0);
+      const int seen = std::min(n, pos(r0 + R - 1) + 1 - k0);
+      if (seen <= 0) continue;
+      const int groups = (seen + 15) / 16;  // 1..4 (kKeyTile = 64)
+      // S = Q K^T for the groups seen: tiles 0-3 accumulate, 4 holds Q, 5-7 the keys.
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int ck = 0; ck < CK; ++ck) {
+        const bf16* kt = kb + ((size_t)(k0 / 16) * CK + ck) * kTileElems;
+        _tile_loadd(4, Q + (size_t)r0 * D + 32 * ck, q_bytes);
+        _tile_loadd(5, kt, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (groups > 1) {
+          _tile_loadd(6, kt + (size_t)CK * kTileElems, 64);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (groups > 2) {
+          _tile_loadd(7, kt + (size_t)2 * CK * kTileElems, 64);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (groups > 3) {
+          _tile_loadd(5, kt + (size_t)3 * CK * kTileElems, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      constexpr int64_t s_bytes = kKeyTile * sizeof(float);
+      _tile_stored(0, S, s_bytes);
+      if (groups > 1) _tile_stored(1, S + 16, s_bytes);
+      if (groups > 2) _tile_stored(2, S + 32, s_bytes);
+      if (groups > 3) _tile_stored(3, S + 48, s_bytes);
+      // Online softmax, a row at a time; keys past a row's own position, and padding rows, get 0.
+      const int width = (seen + 31) / 32 * 32;  // keys the second product reads
+      for (int r = 0; r < 16; ++r) {
+        const float* sr = S + (size_t)r * kKeyTile;
+        bf16* pr = P + (size_t)r * kKeyTile;
+        const int valid = r < R ? std::min(n, pos(r0 + r) + 1 - k0) : 0;
+        if (valid <= 0) {
+          std::memset(pr, 0, width * sizeof(bf16));
+          continue;
+        }
+        // kKeyTile = 64: four vectors, lanes past `valid` masked.
+        __m512 sv[4];
+        __mmask16 mk[4];
+        __m512 mxv = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < 4; ++j) {
+          const int left = valid - 16 * j;
+          mk[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+          sv[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk[j], _mm512_loadu_ps(sr + 16 * j), scale16);
+          mxv = _mm512_max_ps(mxv, sv[j]);
+        }
+        const int row = r0 + r;
+        const float mx = std::max(m[row], _mm512_reduce_max_ps(mxv));
+        const float alpha = std::exp(m[row] - mx);  // 0 on the first tile (m = -inf)
+        const __m512 mx16 = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < width / 16; ++j) {
+          const __m512 e = _mm512_maskz_mov_ps(mk[j], exp16(_mm512_sub_ps(sv[j], mx16)));
+          sum = _mm512_add_ps(sum, e);
+          store16(pr + 16 * j, rnd16(e));
+        }
+        l[row] = l[row] * alpha + _mm512_reduce_add_ps(sum);
+        m[row] = mx;
+        if (alpha != 1.f) {
+          const __m512 a16 = _mm512_set1_ps(alpha);
+          float* orow = O + (size_t)row * D;
+          for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), a16));
+        }
+      }
+      // O += P V, 64 output dims at a time: tiles 0-3 accumulate them (loaded from O: four independent chains,
+      // where one tile per 16 dims in turn left each product waiting on the last), 4 / 6 hold P's two 32-key
+      // halves, 5 / 7 the values.
+      constexpr int64_t p_bytes = kKeyTile * sizeof(bf16);
+      const bool two = width > 32;
+      _tile_loadd(4, P, p_bytes);
+      if (two) _tile_loadd(6, P + 32, p_bytes);
+      for (int cv0 = 0; cv0 < CV; cv0 += 4) {
+        const int nc = std::min(4, CV - cv0);
+        float* oc = O + (size_t)r0 * D + 16 * cv0;
+        const bf16* vt = vb + ((size_t)(k0 / 32) * CV + cv0) * kTileElems;  // 32 keys' values, dims 16 cv0..
+        const bf16* vt2 = vt + (size_t)CV * kTileElems;                     // the next 32 keys'
+#define NANOINFER_PV(t)                                      \
+  if (nc > t) {                                              \
+    _tile_loadd(t, oc + 16 * t, o_bytes);                    \
+    _tile_loadd(5, vt + (size_t)t * kTileElems, 64);         \
+    _tile_dpbf16ps(t, 4, 5);                                 \
+    if (two) {                                               \
+      _tile_loadd(7, vt2 + (size_t)t * kTileElems, 64);      \
+      _tile_dpbf16ps(t, 6, 7);                               \
+    }                                                        \
+  }
+        NANOINFER_PV(0) NANOINFER_PV(1) NANOINFER_PV(2) NANOINFER_PV(3)
+#undef NANOINFER_PV
+        _tile_stored(0, oc, o_bytes);
+        if (nc > 1) _tile_stored(1, oc + 16, o_bytes);
+        if (nc > 2) _tile_stored(2, oc + 32, o_bytes);
+        if (nc > 3) _tile_stored(3, oc + 48, o_bytes);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    bf16* dst = out + (c.q_start + p0 + r / G) * out_stride + (int64_t)(h * G + r % G) * D;
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int d = 0; d < D; d += 16) store16(dst + d, rnd16(_mm512_mul_ps(_mm512_loadu_ps(O + (size_t)r * D + d), inv)));
+  }
+}
+#endif
+
 }  // namespace
 
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -237,6 +424,53 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     for (int p = 0; p < c.q_len; p += kQueryTile)
       for (int h = 0; h < Hkv; ++h) items.push_back({i, p, h});
   }
+  // The longest items first (the last positions of the longest prompts see the most keys), so the dynamic
+  // schedule does not end on one thread working through a long item alone.
+  std::stable_sort(items.begin(), items.end(), [&](const auto& x, const auto& y) {
+    return chunks[x[0]].seq_len - chunks[x[0]].q_len + x[1] > chunks[y[0]].seq_len - chunks[y[0]].q_len + y[1];
+  });
+#ifdef NANOINFER_AMX
+  if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && D % 32 == 0 && amx_permitted()) {
+    // Keys and values packed as tiles (pack_kv_amx), per chunk and KV head, kKeyTile-padded.
+    std::vector<int64_t> offsets(n), sizes(n);
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) {
+      sizes[i] = (int64_t)(chunks[i].seq_len + kKeyTile - 1) / kKeyTile * kKeyTile * D;
+      offsets[i] = total;
+      total += sizes[i] * Hkv;
+    }
+    static thread_local std::vector<bf16> kv_tiles;
+    if ((int64_t)kv_tiles.size() < 2 * total) kv_tiles.resize(2 * total);
+    bf16* kb = kv_tiles.data();
+    bf16* vb = kb + total;
+    const bf16* qp = q.data_ptr<bf16>();
+    const bf16* kp = k_cache.data_ptr<bf16>();
+    const bf16* vp = v_cache.data_ptr<bf16>();
+    bf16* op = out.data_ptr<bf16>();
+    #pragma omp parallel
+    {
+      load_tile_config();
+      #pragma omp for schedule(dynamic, 1)
+      for (int ih = 0; ih < n * Hkv; ++ih) {
+        const int i = ih / Hkv, h = ih % Hkv;
+        const int64_t off = offsets[i] + h * sizes[i];
+        pack_kv_amx(kp, vp, chunks[i], h, Hkv, D, bs, kb + off, vb + off);
+      }
+      std::vector<float> work;
+      std::vector<bf16> qwork;
+      #pragma omp for schedule(dynamic, 1)
+      for (size_t it = 0; it < items.size(); ++it) {
+        const auto [i, p0, h] = items[it];
+        const Chunk& c = chunks[i];
+        const int64_t off = offsets[i] + h * sizes[i];
+        attend_amx(qp, q.stride(0), kb + off, vb + off, op, out.stride(0), c, p0, std::min(c.q_len, p0 + kQueryTile),
+                   h, Hq / Hkv, D, (float)scale, work, qwork);
+      }
+      _tile_release();
+    }
+    return;
+  }
+#endif
   // Every chunk's keys, transposed (pack_keys), in one buffer reused across calls on the calling thread (a
   // fresh one would be page-faulted in on every layer).
   std::vector<int64_t> kt_offsets(n), kt_sizes(n);
@@ -249,11 +483,6 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   static thread_local std::vector<float> kt_buffer;
   if ((int64_t)kt_buffer.size() < kt_total) kt_buffer.resize(kt_total);
   float* keys_t = kt_buffer.data();
-  // The longest items first (the last positions of the longest prompts see the most keys), so the dynamic
-  // schedule does not end on one thread working through a long item alone.
-  std::stable_sort(items.begin(), items.end(), [&](const auto& x, const auto& y) {
-    return chunks[x[0]].seq_len - chunks[x[0]].q_len + x[1] > chunks[y[0]].seq_len - chunks[y[0]].q_len + y[1];
-  });
   with_typed<false>(q, "paged_prefill queries", [&](auto* qp) {
     using TQ = std::remove_pointer_t<decltype(qp)>;
     with_typed<true>(k_cache, "paged_prefill cache", [&](auto* kp) {
