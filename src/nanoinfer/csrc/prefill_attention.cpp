@@ -128,6 +128,21 @@ struct Chunk {  // one sequence's queries in this step
   const int* table;
 };
 
+// Where each chunk's packed keys (and values) go in one buffer: chunk i's KV head h at offsets[i] + h *
+// sizes[i] elements, its keys padded to a multiple of `keys_multiple`, D elements each.
+struct PackedLayout {
+  std::vector<int64_t> offsets, sizes;
+  int64_t total = 0;
+  PackedLayout(const std::vector<Chunk>& chunks, int keys_multiple, int D, int Hkv)
+      : offsets(chunks.size()), sizes(chunks.size()) {
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      sizes[i] = (int64_t)(chunks[i].seq_len + keys_multiple - 1) / keys_multiple * keys_multiple * D;
+      offsets[i] = total;
+      total += sizes[i] * Hkv;
+    }
+  }
+};
+
 // The keys of chunk c's KV head h, transposed in groups of 16: kt[g][d][j] = key 16 g + j, element d (zero
 // past the last key). Packed once per chunk and head, then read by all of its work items.
 template <typename TC>
@@ -435,13 +450,10 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #ifdef NANOINFER_AMX
   if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && D % 32 == 0 && amx_permitted()) {
     // Keys and values packed as tiles (pack_kv_amx), per chunk and KV head, kKeyTile-padded.
-    std::vector<int64_t> offsets(n), sizes(n);
-    int64_t total = 0;
-    for (int i = 0; i < n; ++i) {
-      sizes[i] = (int64_t)(chunks[i].seq_len + kKeyTile - 1) / kKeyTile * kKeyTile * D;
-      offsets[i] = total;
-      total += sizes[i] * Hkv;
-    }
+    const PackedLayout lay(chunks, kKeyTile, D, Hkv);
+    const std::vector<int64_t>& offsets = lay.offsets;
+    const std::vector<int64_t>& sizes = lay.sizes;
+    const int64_t total = lay.total;
     static thread_local std::vector<bf16> kv_tiles;
     if ((int64_t)kv_tiles.size() < 2 * total) kv_tiles.resize(2 * total);
     bf16* kb = kv_tiles.data();
@@ -476,13 +488,10 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #endif
   // Every chunk's keys, transposed (pack_keys), in one buffer reused across calls on the calling thread (a
   // fresh one would be page-faulted in on every layer).
-  std::vector<int64_t> kt_offsets(n), kt_sizes(n);
-  int64_t kt_total = 0;
-  for (int i = 0; i < n; ++i) {
-    kt_sizes[i] = (int64_t)(chunks[i].seq_len + NR - 1) / NR * NR * D;
-    kt_offsets[i] = kt_total;
-    kt_total += kt_sizes[i] * Hkv;
-  }
+  const PackedLayout kt_lay(chunks, NR, D, Hkv);
+  const std::vector<int64_t>& kt_offsets = kt_lay.offsets;
+  const std::vector<int64_t>& kt_sizes = kt_lay.sizes;
+  const int64_t kt_total = kt_lay.total;
   static thread_local std::vector<float> kt_buffer;
   if ((int64_t)kt_buffer.size() < kt_total) kt_buffer.resize(kt_total);
   float* keys_t = kt_buffer.data();
