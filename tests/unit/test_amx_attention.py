@@ -136,6 +136,7 @@ def test_amx_prefill_attention_matches_float64_reference(block_size, heads, head
     out = torch.empty_like(query)
     cpu_ops().paged_prefill(query, k_cache, v_cache, tables, q_starts, q_lens_t, lens, scale, out)
     expected = _prefill_reference(query, k_cache, v_cache, tables, q_starts, q_lens_t, lens, scale)
-    # The probabilities are rounded to bfloat16 for the second product (as torch's bfloat16 flash attention
-    # does), then the bfloat16 output: a few steps of 2^-8 relative at most.
-    torch.testing.assert_close(out.double(), expected, rtol=2**-6, atol=1e-2)
+    # The probabilities enter the second product as two bfloat16 parts (~16 bits): the output is the float64
+    # result rounded to bfloat16, a step off now and then.
+    torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=2e-3)
+    assert (out.double() == expected.bfloat16().double()).float().mean() > 0.98

@@ -11,7 +11,7 @@
 // Q K^T and out += P V) run through one 6 x 16 register tile, the GEMM's (csrc/gemm.cpp).
 //
 // bfloat16 queries over a bfloat16 cache on a CPU with AMX take attend_amx instead: the same algorithm with
-// both products on tiles (W's prefill attention, standalone, 30 layers: 800 -> 362 ms).
+// both products on tiles (W's prefill attention, standalone, 30 layers: 737 -> 404 ms).
 //
 // Why our own: torch's SDPA took W's prefill attention (64 prompts of 32-256 tokens, 30 layers: one call per
 // prompt per layer, 1,920 calls) at ~23 GFLOP/s; see benchmarks/README.md for this kernel's figures.
@@ -232,8 +232,11 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
 // of consecutive k values):
 // - keys: kb[g][c] (16 keys 16 g.., dims 32 c..), row i = dims 32 c + 2 i, + 1 of each key;
 // - values: vb[g][c] (32 keys 32 g.., dims 16 c..), row i = keys 32 g + 2 i, + 1 of each dim.
-// The probabilities are rounded to bfloat16 for the second product, as torch's own bfloat16 CPU flash
-// attention does; sums are float32.
+// The probabilities enter the second product as two bfloat16 parts, p = hi + lo (hi = p rounded, lo = the
+// rest rounded), so P V keeps ~16 of p's bits: with p rounded once (as torch's bfloat16 CPU flash attention
+// does) 36% of W-shaped outputs missed their correctly rounded value, with both parts 0.2% did (the float32
+// path's accuracy). The low part's products cost ~19% (W-shaped, 30 layers: 340 -> 404 ms; the float32 path
+// took 737 in the same run). Sums are float32.
 constexpr int kTileElems = 16 * 32;  // bfloat16 elements of an A or B tile
 
 void pack_kv_amx(const bf16* kc, const bf16* vc, const Chunk& c, int h, int Hkv, int D, int bs, bf16* kb, bf16* vb) {
@@ -278,13 +281,13 @@ void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb,
   const int rtiles = (rows + 15) / 16;
   const int CK = D / 32, CV = D / 16;
   work.resize((size_t)rtiles * 16 * D + 16 * kKeyTile + 2 * (size_t)rtiles * 16);
-  qwork.resize((size_t)rtiles * 16 * D + 16 * kKeyTile);
+  qwork.resize((size_t)rtiles * 16 * D + 2 * 16 * kKeyTile);
   float* O = work.data();                       // [rtiles * 16, D], unnormalised
   float* S = O + (size_t)rtiles * 16 * D;       // [16, kKeyTile]: one row block's scores
   float* m = S + 16 * kKeyTile;                 // running max per row
   float* l = m + (size_t)rtiles * 16;           // running sum per row
   bf16* Q = qwork.data();                       // [rtiles * 16, D], zero past the last row
-  bf16* P = Q + (size_t)rtiles * 16 * D;        // [16, kKeyTile]: probabilities, rounded
+  bf16* P = Q + (size_t)rtiles * 16 * D;        // [2][16, kKeyTile]: probabilities, high and low parts
   const int first_pos = c.seq_len - c.q_len;
   auto pos = [&](int r) { return first_pos + p0 + r / G; };
   for (int r = 0; r < rtiles * 16; ++r) {
@@ -343,6 +346,7 @@ void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb,
         const int valid = r < R ? std::min(n, pos(r0 + r) + 1 - k0) : 0;
         if (valid <= 0) {
           std::memset(pr, 0, width * sizeof(bf16));
+          std::memset(pr + 16 * kKeyTile, 0, width * sizeof(bf16));
           continue;
         }
         // kKeyTile = 64: four vectors, lanes past `valid` masked.
@@ -363,7 +367,9 @@ void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb,
         for (int j = 0; j < width / 16; ++j) {
           const __m512 e = _mm512_maskz_mov_ps(mk[j], exp16(_mm512_sub_ps(sv[j], mx16)));
           sum = _mm512_add_ps(sum, e);
-          store16(pr + 16 * j, rnd16(e));
+          const __m512 hi = rnd16(e);
+          store16(pr + 16 * j, hi);
+          store16(pr + 16 * kKeyTile + 16 * j, rnd16(_mm512_sub_ps(e, hi)));
         }
         l[row] = l[row] * alpha + _mm512_reduce_add_ps(sum);
         m[row] = mx;
@@ -373,14 +379,17 @@ void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb,
           for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), a16));
         }
       }
-      // O += P V, 64 output dims at a time: tiles 0-3 accumulate them (loaded from O: four independent chains,
-      // where one tile per 16 dims in turn left each product waiting on the last), 4 / 6 hold P's two 32-key
-      // halves, 5 / 7 the values.
+      // O += P V, for P's high part then its low part, 64 output dims at a time: tiles 0-3 accumulate them
+      // (loaded from O: four independent chains, where one tile per 16 dims in turn left each product waiting
+      // on the last), 4 / 6 hold the part's two 32-key halves, 5 / 7 the values.
       constexpr int64_t p_bytes = kKeyTile * sizeof(bf16);
       const bool two = width > 32;
-      _tile_loadd(4, P, p_bytes);
-      if (two) _tile_loadd(6, P + 32, p_bytes);
+      for (int part = 0; part < 2; ++part)
       for (int cv0 = 0; cv0 < CV; cv0 += 4) {
+        if (cv0 == 0) {
+          _tile_loadd(4, P + part * 16 * kKeyTile, p_bytes);
+          if (two) _tile_loadd(6, P + part * 16 * kKeyTile + 32, p_bytes);
+        }
         const int nc = std::min(4, CV - cv0);
         float* oc = O + (size_t)r0 * D + 16 * cv0;
         const bf16* vt = vb + ((size_t)(k0 / 32) * CV + cv0) * kTileElems;  // 32 keys' values, dims 16 cv0..
