@@ -3,7 +3,7 @@
   tile, partial tiles, block sizes under 16 (tiles that cross blocks go through a padded copy), head groupings
   that fill the 16 query columns differently, and a grouping too wide for them (the AVX-512 path takes it);
 - prefill (csrc/prefill_attention.cpp, attend_amx): fresh prompts and chunks over a cached prefix, lengths
-  around the 16-row, 32-key and 64-key tile edges, head sizes of one, two and four 32-dim chunks."""
+  around the 16-row, 32-key and 64-key tile edges, head sizes of one to eight 32-dim chunks."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _reference(query, k_cache, v_cache, tables, seq_lens, scale):
 # second group), 16 query heads on one KV head (a full tile), and 24 on one (over 16: the AVX-512 path).
 @pytest.mark.parametrize("block_size", [4, 16, 256])
 @pytest.mark.parametrize("heads", [(9, 3), (20, 20), (16, 1), (12, 2), (24, 1)])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 def test_amx_decode_attention_matches_float64_reference(block_size, heads, head_dim):
     seq_lens = [1, 15, 16, 17, 32, 33, 300]
     query, k_cache, v_cache, tables, lens = _decode_batch(seq_lens, *heads, head_dim, block_size, seed=head_dim)
@@ -120,7 +120,7 @@ def _prefill_reference(query, k_cache, v_cache, tables, q_starts, q_lens, seq_le
 
 @pytest.mark.parametrize("block_size", [64, 256])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (16, 2)])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])  # 96: a last group of two 16-dim output tiles
 def test_amx_prefill_attention_matches_float64_reference(block_size, heads, head_dim):
     # (q_len, seq_len): fresh prompts around the tile edges, and chunks after a cached prefix.
     chunks = [(1, 1), (15, 15), (16, 16), (17, 17), (33, 33), (64, 64), (65, 65), (300, 300), (20, 150), (1, 97),
