@@ -319,13 +319,16 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
     const int a = h0 + gi * hg, b = std::min(h1, a + hg), nch = (b - a) * CD;
     float* sg = scores_buf.data() + (size_t)gi * lp * 16;
     // B tiles: chunk j (head a + j / CD, dims 32 (j % CD)..): row kk / 2 holds dims kk, kk + 1 of column n.
+    // A query's 32 dims are 16 dword pairs: one scatter puts pair i in row i, column n.
     std::fill(qpack, qpack + (size_t)nch * kTile, bf16(0.f));
+    const __m512i rows16 = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
     for (int j = 0; j < nch; ++j) {
       const int h = a + j / CD, c = j % CD;
       for (int g = 0; g < G; ++g) {
         const int n = (h - a) * G + g;
-        const bf16* src = qb + (size_t)(h * G + g) * D + 32 * c;
-        for (int kk = 0; kk < 32; ++kk) qpack[(size_t)j * kTile + (kk / 2) * 32 + n * 2 + (kk & 1)] = src[kk];
+        const __m512i pairs = _mm512_loadu_si512(qb + (size_t)(h * G + g) * D + 32 * c);
+        _mm512_i32scatter_epi32(reinterpret_cast<int*>(qpack + (size_t)j * kTile) + n, rows16, pairs, 4);
       }
     }
     for (int t0 = 0; t0 < len; t0 += 32) {
@@ -366,17 +369,15 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
       _tile_stored(0, sg + (size_t)t0 * 16, 64);
       if (ntiles == 2) _tile_stored(1, sg + (size_t)(t0 + 16) * 16, 64);
     }
-    // Softmax numerators, query heads as lanes: scale, the running max, then exp and sums, as attend_avx512.
+    // Softmax numerators, query heads as lanes: the max of the raw dots, then exp(dot * scale - max * scale)
+    // (one FMA) and the sums. Scaling in a pass of its own cost a store per token.
     const __m512 scale16 = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int t = 0; t < len; ++t) {
-      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sg + t * 16), scale16);
-      _mm512_storeu_ps(sg + t * 16, s);
-      mx = _mm512_max_ps(mx, s);
-    }
+    for (int t = 0; t < len; ++t) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t * 16));
+    const __m512 mx_scaled = _mm512_mul_ps(mx, scale16);
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < len; ++t) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t * 16), mx));
+      const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + t * 16), scale16, mx_scaled));
       _mm512_storeu_ps(sg + t * 16, e);
       sum = _mm512_add_ps(sum, e);
     }
