@@ -445,7 +445,8 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
 #endif
 #ifdef NANOINFER_AMX
   // The key pass on AMX (attend_amx) where queries and cache are bfloat16 and the CPU lets this process use
-  // its tiles.
+  // its tiles. -DNANOINFER_NO_AMX_ATTN builds without it: the A/B switch of a standalone build (the numbers
+  // above attend_amx were measured that way).
   bool amx = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16> && D % 32 == 0 &&
              D <= 256 && G <= 16 && amx_permitted();
 #ifdef NANOINFER_NO_AMX_ATTN
