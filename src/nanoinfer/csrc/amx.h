@@ -1,6 +1,7 @@
 // Shared by the kernels that use Intel AMX (Sapphire Rapids and later): the build test, the permission Linux
-// asks for, and the one tile shape they all use. amx_gemm.cpp (linears) and paged_attention.cpp (decode's
-// key dots) include it; without AMX in the build NANOINFER_AMX is undefined and both keep their other paths.
+// asks for, the one tile shape they all use, and how a B tile is filled from rows of k values.
+// amx_gemm.cpp (linears), paged_attention.cpp (decode's key pass) and prefill_attention.cpp include it;
+// without AMX in the build NANOINFER_AMX is undefined and each keeps its other paths.
 #pragma once
 #include "simd.h"
 
@@ -31,5 +32,14 @@ static inline void load_tile_config() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
+}
+
+constexpr int kTileElems = 16 * 32;  // bfloat16 elements of an A or B tile (16 rows of 64 bytes)
+
+// 32 consecutive k values of one column (16 dword pairs, as loaded from a row-major source) into column n of
+// a B tile: pair i goes to row i. One scatter, where the packing loops stored 32 scalars.
+static inline void scatter_b_column(at::BFloat16* tile, int n, __m512i pairs) {
+  const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  _mm512_i32scatter_epi32(reinterpret_cast<int*>(tile) + n, rows, pairs, 4);
 }
 #endif

@@ -298,7 +298,6 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
 static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::BFloat16* v, const size_t* rows,
                        int len, int G, int D, int Hkv, int h0, int h1, float scale, float* acc, at::BFloat16* out) {
   using bf16 = at::BFloat16;
-  constexpr int kTile = 16 * 32;                // bfloat16 elements of an A or B tile
   const int CD = D / 32, row_len = Hkv * D;     // a head's 32-dim chunks; elements of a token's cache row
   const int hg = 16 / G;                        // KV heads whose query heads share one tile's 16 columns
   const int groups = (h1 - h0 + hg - 1) / hg;
@@ -310,7 +309,7 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
   static thread_local std::vector<const float*> probs;
   scores_buf.resize((size_t)groups * lp * 16);
   inv_buf.resize(nq);
-  qpack_buf.resize((size_t)hg * CD * kTile);
+  qpack_buf.resize((size_t)hg * CD * kTileElems);
   pad_buf.resize((size_t)32 * row_len);
   probs.resize(nq);
   bf16* qpack = qpack_buf.data();
@@ -319,17 +318,12 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
     const int a = h0 + gi * hg, b = std::min(h1, a + hg), nch = (b - a) * CD;
     float* sg = scores_buf.data() + (size_t)gi * lp * 16;
     // B tiles: chunk j (head a + j / CD, dims 32 (j % CD)..): row kk / 2 holds dims kk, kk + 1 of column n.
-    // A query's 32 dims are 16 dword pairs: one scatter puts pair i in row i, column n.
-    std::fill(qpack, qpack + (size_t)nch * kTile, bf16(0.f));
-    const __m512i rows16 = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
+    std::fill(qpack, qpack + (size_t)nch * kTileElems, bf16(0.f));
     for (int j = 0; j < nch; ++j) {
       const int h = a + j / CD, c = j % CD;
-      for (int g = 0; g < G; ++g) {
-        const int n = (h - a) * G + g;
-        const __m512i pairs = _mm512_loadu_si512(qb + (size_t)(h * G + g) * D + 32 * c);
-        _mm512_i32scatter_epi32(reinterpret_cast<int*>(qpack + (size_t)j * kTile) + n, rows16, pairs, 4);
-      }
+      for (int g = 0; g < G; ++g)
+        scatter_b_column(qpack + (size_t)j * kTileElems, (h - a) * G + g,
+                         _mm512_loadu_si512(qb + (size_t)(h * G + g) * D + 32 * c));
     }
     for (int t0 = 0; t0 < len; t0 += 32) {
       // A tiles: 16 tokens' rows in place when they are evenly spaced (one block of the cache), else copied
@@ -358,7 +352,7 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
       _tile_zero(1);
       for (int j = 0; j < nch; ++j) {
         const int off = (a + j / CD) * D + 32 * (j % CD);
-        _tile_loadd(4, qpack + (size_t)j * kTile, 64);
+        _tile_loadd(4, qpack + (size_t)j * kTileElems, 64);
         _tile_loadd(2, tile_rows[0] + off, stride);
         _tile_dpbf16ps(0, 2, 4);
         if (ntiles == 2) {

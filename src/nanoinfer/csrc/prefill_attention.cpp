@@ -237,23 +237,18 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
 // does) 36% of W-shaped outputs missed their correctly rounded value, with both parts 0.2% did (the float32
 // path's accuracy). The low part's products cost ~19% (W-shaped, 30 layers: 340 -> 404 ms; the float32 path
 // took 737 in the same run). Sums are float32.
-constexpr int kTileElems = 16 * 32;  // bfloat16 elements of an A or B tile
-
 void pack_kv_amx(const bf16* kc, const bf16* vc, const Chunk& c, int h, int Hkv, int D, int bs, bf16* kb, bf16* vb) {
   const int64_t kv_stride = (int64_t)Hkv * D;
   const int keys = (c.seq_len + kKeyTile - 1) / kKeyTile * kKeyTile;
   const int CK = D / 32, CV = D / 16;
   auto row = [&](int key) { return ((int64_t)c.table[key / bs] * bs + key % bs) * kv_stride + (int64_t)h * D; };
-  // Keys: a key's 32 dims are 16 dword pairs; pair i goes to row i of its group's tile, column key % 16.
-  const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(16));
+  // Keys: a key's 32 dims are column key % 16 of its group's tile.
   for (int key = 0; key < keys; ++key) {
     const bool real = key < c.seq_len;
-    int* dst = reinterpret_cast<int*>(kb + (size_t)(key / 16) * CK * kTileElems) + key % 16;
-    for (int ck = 0; ck < CK; ++ck) {
-      const __m512i v = real ? _mm512_loadu_si512(kc + row(key) + 32 * ck) : _mm512_setzero_si512();
-      _mm512_i32scatter_epi32(dst + (size_t)ck * kTileElems / 2, rows16, v, 4);
-    }
+    bf16* tiles = kb + (size_t)(key / 16) * CK * kTileElems;
+    for (int ck = 0; ck < CK; ++ck)
+      scatter_b_column(tiles + (size_t)ck * kTileElems, key % 16,
+                       real ? _mm512_loadu_si512(kc + row(key) + 32 * ck) : _mm512_setzero_si512());
   }
   // Values: keys 2 i and 2 i + 1 interleaved dim by dim make row i of a tile (16 dims: one 32-dim load of
   // both keys gives two tiles' rows).
@@ -384,16 +379,14 @@ void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb,
       // on the last), 4 / 6 hold the part's two 32-key halves, 5 / 7 the values.
       constexpr int64_t p_bytes = kKeyTile * sizeof(bf16);
       const bool two = width > 32;
-      for (int part = 0; part < 2; ++part)
-      for (int cv0 = 0; cv0 < CV; cv0 += 4) {
-        if (cv0 == 0) {
-          _tile_loadd(4, P + part * 16 * kKeyTile, p_bytes);
-          if (two) _tile_loadd(6, P + part * 16 * kKeyTile + 32, p_bytes);
-        }
-        const int nc = std::min(4, CV - cv0);
-        float* oc = O + (size_t)r0 * D + 16 * cv0;
-        const bf16* vt = vb + ((size_t)(k0 / 32) * CV + cv0) * kTileElems;  // 32 keys' values, dims 16 cv0..
-        const bf16* vt2 = vt + (size_t)CV * kTileElems;                     // the next 32 keys'
+      for (int part = 0; part < 2; ++part) {
+        _tile_loadd(4, P + part * 16 * kKeyTile, p_bytes);
+        if (two) _tile_loadd(6, P + part * 16 * kKeyTile + 32, p_bytes);
+        for (int cv0 = 0; cv0 < CV; cv0 += 4) {
+          const int nc = std::min(4, CV - cv0);
+          float* oc = O + (size_t)r0 * D + 16 * cv0;
+          const bf16* vt = vb + ((size_t)(k0 / 32) * CV + cv0) * kTileElems;  // 32 keys' values, dims 16 cv0..
+          const bf16* vt2 = vt + (size_t)CV * kTileElems;                     // the next 32 keys'
 #define NANOINFER_PV(t)                                      \
   if (nc > t) {                                              \
     _tile_loadd(t, oc + 16 * t, o_bytes);                    \
@@ -404,12 +397,13 @@ void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb,
       _tile_dpbf16ps(t, 6, 7);                               \
     }                                                        \
   }
-        NANOINFER_PV(0) NANOINFER_PV(1) NANOINFER_PV(2) NANOINFER_PV(3)
+          NANOINFER_PV(0) NANOINFER_PV(1) NANOINFER_PV(2) NANOINFER_PV(3)
 #undef NANOINFER_PV
-        _tile_stored(0, oc, o_bytes);
-        if (nc > 1) _tile_stored(1, oc + 16, o_bytes);
-        if (nc > 2) _tile_stored(2, oc + 32, o_bytes);
-        if (nc > 3) _tile_stored(3, oc + 48, o_bytes);
+          _tile_stored(0, oc, o_bytes);
+          if (nc > 1) _tile_stored(1, oc + 16, o_bytes);
+          if (nc > 2) _tile_stored(2, oc + 32, o_bytes);
+          if (nc > 3) _tile_stored(3, oc + 48, o_bytes);
+        }
       }
     }
   }
