@@ -244,6 +244,24 @@ def test_a_fresh_prompt_attends_to_its_keys_as_the_cache_holds_them(cache_dtype)
     assert not torch.allclose(unrounded, from_cache, atol=1e-4)  # the float32 keys would have differed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_reads_queries_in_place_from_the_fused_qkv_output(dtype):
+    """q as the decode loop passes it, a [tokens, heads, D] view of the [tokens, q | k | v] projection output:
+    the same bits as from a contiguous copy. Heads that are not contiguous within a token are refused."""
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [5, 300, 600], 9, 3, 64, 16, dtype)
+    qkv = torch.cat([query.flatten(1), torch.randn(3, 2 * 3 * 64).to(dtype)], dim=1)  # [3, 960]
+    q_view = qkv.narrow(1, 0, 9 * 64).view(3, 9, 64)
+    assert not q_view.is_contiguous()
+    args = (k_cache, v_cache, metadata.block_tables, metadata.seq_lens, 0.125)
+    got = cpu_ops().paged_decode(q_view, *args)
+    assert got.is_contiguous()
+    assert torch.equal(got, cpu_ops().paged_decode(query.contiguous(), *args))
+    with pytest.raises(RuntimeError, match="heads contiguous"):
+        cpu_ops().paged_decode(query.transpose(0, 1).contiguous().transpose(0, 1), *args)
+
+
 def test_cpu_kernel_store_refuses_a_slot_outside_the_cache():
     if cpu_ops() is None:
         pytest.skip("no C++ compiler here")

@@ -141,7 +141,9 @@ class TorchBackend:
         group = q.shape[1] // num_kv_heads
         kernel = cpu_ops() if self.use_cpu_kernel and query.device.type == "cpu" else None
         if kernel is not None and query.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_CACHE_DTYPES:
-            o = kernel.paged_decode(q.contiguous(), k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
+            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+                q = q.contiguous()  # the kernel reads each token's heads as one row (any stride between tokens)
+            o = kernel.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
         else:
             lens = [plan.seq_lens[i] for i in plan.decode_ids]
             max_len = max(lens)

@@ -55,7 +55,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     rotary_embedding(positions, q, k, cos, sin);
     store_kvcache(k, v, w[7], w[8], slot_mapping);
-    const auto attn = paged_decode(q.contiguous(), w[7], w[8], block_tables, seq_lens, scale);
+    const auto attn = paged_decode(q, w[7], w[8], block_tables, seq_lens, scale);  // q read in place
     hidden = linear(attn.view({T, q_size}), w[3], c10::nullopt, H, false);
     fused_add_rms_norm(hidden, residual, w[4], eps);
     hidden = linear(linear(hidden, w[5], c10::nullopt, intermediate_size, true), w[6], c10::nullopt, H, false);
