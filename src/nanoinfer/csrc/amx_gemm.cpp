@@ -51,7 +51,7 @@ torch::Tensor pack_amx_weight(const torch::Tensor& weight, bool gated) {
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), KB = (K + TK - 1) / TK;
   const int64_t pairs = gated ? (N / 2 + TN - 1) / TN : (N + PAIR_COLS - 1) / PAIR_COLS;
-  auto packed = torch::zeros({pairs, KB, 2, TK / 2, PAIR_COLS}, w.options());
+  auto packed = zeros_on_huge_pages({pairs, KB, 2, TK / 2, PAIR_COLS}, w.scalar_type());  // streamed every step
   const bf16* src = w.data_ptr<bf16>();
   bf16* dst = packed.data_ptr<bf16>();
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {

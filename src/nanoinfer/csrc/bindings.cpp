@@ -30,6 +30,8 @@ bool amx_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
+  m.def("zeros_on_huge_pages", &zeros_on_huge_pages,
+        "a zero-filled tensor on 2 MiB pages where Linux grants them, committed as it is written");
   m.def("paged_prefill", &paged_prefill,
         "causal prefill attention of every prompt chunk of a step, reading the paged cache in place, into out");
   m.def("store_kvcache", &store_kvcache, "key/value rows into their cache slots (-1 skipped)");

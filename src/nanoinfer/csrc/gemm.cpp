@@ -271,7 +271,8 @@ static torch::Tensor pack(const torch::Tensor& weight, bool gated, const char* w
   const auto w = weight.contiguous();
   const int64_t cols = gated ? NR / 2 : NR;  // output columns of one panel
   const int64_t N = gated ? w.size(0) / 2 : w.size(0), K = w.size(1);
-  auto packed = torch::zeros({(N + cols - 1) / cols, K, NR}, w.options());  // zero columns past N
+  // Zero columns past N; on huge pages, as decode streams it every step.
+  auto packed = zeros_on_huge_pages({(N + cols - 1) / cols, K, NR}, w.scalar_type());
   with_typed<false>(w, what, [&](auto* src) {
     using T = std::remove_pointer_t<decltype(src)>;
     if (gated)

@@ -16,6 +16,9 @@
 #define NANOINFER_AVX512 1
 #endif
 
+// Zero-filled, on 2 MiB pages where Linux grants them (csrc/huge_pages.cpp).
+torch::Tensor zeros_on_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype);
+
 template <typename T> static inline float to_f(T x);
 template <> inline float to_f<float>(float x) { return x; }
 template <> inline float to_f<at::BFloat16>(at::BFloat16 x) { return static_cast<float>(x); }

@@ -82,17 +82,27 @@ class ModelRunner:
         self.kv_caches = []  # drop the old cache before allocating the new one
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.num_blocks = num_blocks
-        # On CPU the cache is left uninitialised: the OS then commits its pages only as blocks fill up, so a
-        # 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB of resident memory for a small
-        # job (the planner already checked the budget against available RAM). Every backend reads only
-        # slots below a sequence's length, which were written first. (Transparent huge pages for it were
-        # tried: decode attention over pre-faulted pages ran 7-17% faster, but W as a whole did not, since
-        # the kernel's first touch of each 2 MiB page cost more in prefill; benchmarks/README.md.)
-        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        # On CPU the OS commits the cache's pages only as blocks fill up (an anonymous mapping, or torch.empty's
+        # untouched memory), so a 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB of resident
+        # memory for a small job (the planner already checked the budget against available RAM). Every
+        # backend reads only slots below a sequence's length, which were written first.
         self.kv_caches = [
-            tuple(alloc(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(2))
+            tuple(self._allocate_cache_tensor(shape) for _ in range(2))
             for _ in range(self.config.hf_config.num_hidden_layers)
         ]
+
+    def _allocate_cache_tensor(self, shape) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        ops = cpu_ops()
+        if ops is None:
+            return torch.empty(shape, dtype=self.kv_cache_dtype)
+        # On 2 MiB pages where Linux grants them (csrc/huge_pages.cpp): decode reads most of the cache every
+        # step, ~50,000 4 KiB pages a step in W. Committed a huge page at a time as blocks fill (up to 2 MiB
+        # more resident memory a layer's K or V than 4 KiB pages). An earlier try with pre-faulted huge
+        # pages sped decode attention 7-17% but cost more in prefill; lazily committed, W in bfloat16 ran
+        # at least as fast in 3 of 4 alternated runs (benchmarks/README.md, tenth round).
+        return ops.zeros_on_huge_pages(list(shape), self.kv_cache_dtype)
 
     @torch.inference_mode()
     def warmup(self) -> None:
