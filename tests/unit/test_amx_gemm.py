@@ -78,6 +78,28 @@ def test_amx_linear_is_the_same_on_any_thread_count_and_checks_its_inputs():
     assert linear(x[:0], weight, None, packed).shape == (0, 200)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_pairs_taken_from_other_threads_ranges_give_the_same_bits(gated):
+    """A thread done with its pairs takes the rest of another's (csrc/amx_gemm.cpp, PairRange): over several
+    runs of rows and more threads than cores (so some threads lag and lose pairs), every output is computed
+    once, as on one thread."""
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(2 * 700 if gated else 700, 96, generator=gen) / 10).bfloat16()
+    packed = pack_weight(weight, "amx_gated" if gated else "amx")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        xs = [torch.randn(rows, 96, generator=gen).bfloat16() for rows in (40, 600)]  # 1 and 3 runs of rows
+        one = [gated_linear(x, packed) if gated else linear(x, weight, None, packed) for x in xs]
+        for n in (2, 3, 4, 2, 3, 4):
+            torch.set_num_threads(n)
+            for x, expected in zip(xs, one):
+                out = gated_linear(x, packed) if gated else linear(x, weight, None, packed)
+                assert torch.equal(out, expected), n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bfloat16_linears_use_amx_where_the_cpu_has_it():
     assert packing_kind(torch.bfloat16) == "amx"
     assert packing_kind(torch.float32) != "amx"
