@@ -138,17 +138,19 @@ def tiny_hf_config():
     return LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 7, 8, 9, 100, 49152])  # below, at and across the 8-lane width
-def test_greedy_argmax_equals_torch(vocab):
+def test_greedy_argmax_equals_torch(vocab, dtype):
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(13, vocab, generator=gen)
-    assert torch.equal(cpu_ops().greedy_argmax(logits), torch.argmax(logits, dim=-1))
+    logits = torch.randn(13, vocab, generator=gen).to(dtype)  # bfloat16: many ties, the first must win
+    assert torch.equal(cpu_ops().greedy_argmax(logits), torch.argmax(logits.float(), dim=-1))
 
 
-def test_greedy_argmax_ties_infinities_and_nans_as_torch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_ties_infinities_and_nans_as_torch(dtype):
     """The first index of the maximum wins a tie; a row of -inf gives 0; a NaN anywhere (vector body or
     tail) gives the first NaN, as torch.argmax treats NaN as the largest value."""
-    logits = torch.zeros(6, 21)
+    logits = torch.zeros(6, 21, dtype=dtype)
     logits[0, [3, 17]] = 5.0  # tie: 3
     logits[1, [9, 20]] = 5.0  # tie across the vector body and the tail: 9
     logits[2] = float("-inf")
@@ -166,12 +168,13 @@ def test_greedy_argmax_reads_strided_rows():
 
 
 def test_sampler_argmax_falls_back_to_torch_off_the_kernel():
-    """The kernel takes float32 CPU rows; other dtypes (and empty vocabularies) stay on torch.argmax."""
+    """The kernel takes float32 and bfloat16 CPU rows; other dtypes (and empty vocabularies) stay on
+    torch.argmax."""
     from nanoinfer.model.sampler import _argmax
 
-    logits = torch.randn(4, 50).to(torch.bfloat16)
-    assert torch.equal(_argmax(logits), torch.argmax(logits, dim=-1))
-    assert torch.equal(_argmax(logits.float()), torch.argmax(logits.float(), dim=-1))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        logits = torch.randn(4, 50).to(dtype)
+        assert torch.equal(_argmax(logits), torch.argmax(logits.float(), dim=-1))
 
 
 def test_kernels_are_built_with_this_environments_ninja(monkeypatch, tmp_path):

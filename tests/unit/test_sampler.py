@@ -25,6 +25,20 @@ def test_temperature_zero_is_argmax():
     assert Sampler()(logits, seqs_for(8, temperature=0)) == logits.argmax(-1).tolist()
 
 
+def test_greedy_rows_of_bfloat16_logits_are_their_argmax_with_or_without_logprobs():
+    """Plain greedy rows take the argmax of the logits as they are; a batch with a logprobs row takes the
+    full path (float32): the same tokens either way, the first of tied bfloat16 logits included."""
+    logits = torch.randn(6, 300).bfloat16()
+    logits[0, [5, 250]] = 9.0  # a tie: 5
+    expected = logits.float().argmax(-1).tolist()
+    assert expected[0] == 5
+    assert Sampler()(logits, seqs_for(6, temperature=0)) == expected
+    seqs = seqs_for(6, temperature=0)
+    seqs[2] = seqs_for(1, temperature=0, logprobs=2)[0]
+    assert Sampler()(logits, seqs) == expected
+    assert seqs[2].logprobs[0].token_id == expected[2]
+
+
 def test_top_k_one_equals_greedy():
     logits = torch.randn(8, 50)
     assert Sampler()(logits, seqs_for(8, temperature=1.3, top_k=1)) == logits.argmax(-1).tolist()
