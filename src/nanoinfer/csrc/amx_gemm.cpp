@@ -208,8 +208,10 @@ void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, 
       PairRange& own = ranges[run * threads + t];
       for (int64_t p; (p = own.take_front()) >= 0;) {
         // Next: the following pair while the range lasts, else the first of this thread's range in the next run.
-        const bool more = p + 1 < own.back();
-        run_pair(run, p, more ? pair_ptr(p + 1) : run + 1 < runs ? pair_ptr(ranges[(run + 1) * threads + t].front()) : nullptr);
+        const bf16* next = p + 1 < own.back() ? pair_ptr(p + 1)
+                           : run + 1 < runs   ? pair_ptr(ranges[(run + 1) * threads + t].front())
+                                              : nullptr;
+        run_pair(run, p, next);
       }
       for (int v = 1; v < threads; ++v) {  // then the other ranges' leftovers, from their ends
         PairRange& other = ranges[run * threads + (t + v) % threads];

@@ -513,7 +513,8 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
 // is read in place: copying it out took ~20 us a layer in decode, 0.15-0.2 s of W). out: contiguous.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode: q [tokens, heads, D] with each token's heads contiguous");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_decode: q [tokens, heads, D] with each token's heads contiguous");
   const int B = q.size(0), Hq = q.size(1), D = q.size(2);
   auto out = torch::empty({B, Hq, D}, q.options());
   const int bs = k_cache.size(1), Hkv = k_cache.size(2);
