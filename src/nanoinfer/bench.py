@@ -107,6 +107,7 @@ class RunResult:
     peak_rss_bytes: int | None
     peak_cuda_bytes: int | None = None
     details: dict = field(default_factory=dict)
+    dtype: str | None = None  # the weights' and activations' dtype the engine ran in
 
     @property
     def output_tok_s(self) -> float:
@@ -215,7 +216,7 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunR
     if device == "cuda":
         torch.cuda.empty_cache()
     result = RunResult(
-        engine="nanoinfer", num_requests=len(outputs), input_tokens=workload.num_input_tokens,
+        engine="nanoinfer", num_requests=len(outputs), input_tokens=workload.num_input_tokens, dtype=config.dtype,
         output_tokens=workload.num_output_tokens, generated_tokens=generated, seconds=wall,
         prefill_seconds=seconds["prefill"], decode_seconds=seconds["decode"], load_seconds=load_seconds,
         ttft_seconds=ttft, peak_rss_bytes=peak_rss, peak_cuda_bytes=peak_cuda,
@@ -304,6 +305,7 @@ def run_hf(
         torch.cuda.empty_cache()
     return RunResult(
         engine="hf-transformers", num_requests=workload.num_requests, input_tokens=workload.num_input_tokens,
+        dtype=dtype,
         output_tokens=workload.num_output_tokens, generated_tokens=generated, seconds=wall,
         prefill_seconds=prefill, decode_seconds=wall - prefill, load_seconds=load_seconds, ttft_seconds=ttft,
         peak_rss_bytes=peak_rss, peak_cuda_bytes=peak_cuda,

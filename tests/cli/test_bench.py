@@ -18,7 +18,7 @@ TINY = ["--num-requests", "5", "--input-len", "3", "9", "--output-len", "2", "7"
         "--cpu-kvcache-space-gib", "0.01", "--max-model-len", "64", "--device", "cpu"]  # fmt: skip
 RUN_KEYS = {"engine", "num_requests", "input_tokens", "output_tokens", "generated_tokens", "seconds",
             "prefill_seconds", "decode_seconds", "load_seconds", "ttft_seconds", "peak_rss_bytes",
-            "peak_cuda_bytes", "details", "output_tok_s", "total_tok_s"}  # fmt: skip
+            "peak_cuda_bytes", "details", "output_tok_s", "total_tok_s", "dtype"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,17 @@ def test_compare_hf_runs_the_same_workload_and_reports_the_ratio(tiny_model, tmp
     assert report["ratio"]["output_tok_s"] == pytest.approx(ours["output_tok_s"] / hf["output_tok_s"])
 
 
+def test_hf_dtype_runs_the_peer_in_another_precision_and_says_so(tiny_model, tmp_path):
+    """--hf-dtype: nanoinfer in bfloat16 against HF in float32 (issue 8's target is against HF float32)."""
+    out = tmp_path / "mixed.json"
+    result = bench("--model", tiny_model, *TINY, "--dtype", "bfloat16", "--compare", "hf", "--hf-dtype", "float32",
+                   "--output-json", str(out))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "nanoinfer (bfloat16)" in result.output and "hf-transformers (float32)" in result.output
+    ours, hf = json.loads(out.read_text())["runs"]
+    assert (ours["dtype"], hf["dtype"]) == ("bfloat16", "float32")
+
+
 def test_config_only_model_folder_gets_random_weights_once(tmp_path):
     folder = tmp_path / "shape-only"
     Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -137,6 +148,8 @@ def test_config_only_model_folder_gets_random_weights_once(tmp_path):
         (["--output-len", "60", "60"], "Raise --max-model-len or lower --input-len / --output-len"),
         (["--compare", "vllm"], "--compare vllm is not a known peer. Use one of: hf"),
         (["--hf-batch-size", "0"], "--hf-batch-size must be at least 1"),
+        (["--compare", "hf", "--hf-dtype", "int8"], "--hf-dtype int8 is not a dtype HF runs here"),
+        (["--hf-dtype", "float32"], "give it with --compare hf"),
     ],
 )
 def test_bad_bench_flags_exit_2_with_the_fix(tiny_model, args, message):

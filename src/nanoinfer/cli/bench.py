@@ -42,6 +42,7 @@ CUDA_DEFAULTS = {"num_requests": 256, "input_len": (100, 1024), "output_len": (1
 CPU_DEFAULTS = {"num_requests": 64, "input_len": (32, 256), "output_len": (32, 256)}
 CUDA_DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "models" / "qwen3-0.6b"
 COMPARE_CHOICES = ("hf",)
+HF_DTYPES = ("float32", "bfloat16", "float16")
 _WORKLOAD = "Workload"
 
 
@@ -74,6 +75,10 @@ def bench(
     ] = None,
     hf_batch_size: Annotated[
         int | None, typer.Option(help="Requests per HF generate call (default: all of them in one batch).")
+    ] = None,
+    hf_dtype: Annotated[
+        str | None,
+        typer.Option(help="The dtype HF runs in: float32 | bfloat16 | float16 (default: nanoinfer's dtype)."),
     ] = None,
     output_json: Annotated[Path | None, typer.Option(help="Write every number and machine facts here.")] = None,
     warmup: Annotated[bool, typer.Option(help="One short untimed generate per engine first.")] = True,
@@ -133,6 +138,12 @@ def bench(
             )
         if hf_batch_size is not None and hf_batch_size < 1:
             raise NanoInferError(f"--hf-batch-size must be at least 1, got {hf_batch_size}.")
+        if hf_dtype is not None and hf_dtype not in HF_DTYPES:
+            raise NanoInferError(
+                f"--hf-dtype {hf_dtype} is not a dtype HF runs here. Use one of: {', '.join(HF_DTYPES)}."
+            )
+        if hf_dtype is not None and compare != "hf":
+            raise NanoInferError("--hf-dtype sets the dtype of the HF peer: give it with --compare hf.")
     console = Console(highlight=False, soft_wrap=True)
     for note in notes:
         console.print(f"note: {note}", markup=False)
@@ -151,7 +162,10 @@ def bench(
         runs = [ours]
         if compare == "hf":
             console.print("running HF transformers generate ...", markup=False)
-            hf = bench_lib.run_hf_in_own_process(model_dir, workload, dtype_name, device_name, hf_batch_size, warmup)
+            # Another dtype than ours (--hf-dtype) compares across precisions, e.g. nanoinfer in bfloat16
+            # against HF in float32 (issue 8's 12x target); the table names HF's dtype then.
+            hf = bench_lib.run_hf_in_own_process(model_dir, workload, hf_dtype or dtype_name, device_name,
+                                                 hf_batch_size, warmup)  # fmt: skip
             runs.append(hf)
     ratio = _ratio(runs)
     _render(console, runs, ratio)
@@ -270,8 +284,9 @@ def _render(console: Console, runs, ratio: dict | None) -> None:
     ]
     table = Table(title="Throughput: output tok/s = requested output tokens / wall time", title_justify="left")
     table.add_column("", style="bold", no_wrap=True)
+    mixed = len({run.dtype for run in runs}) > 1  # e.g. --hf-dtype float32 against nanoinfer in bfloat16
     for run in runs:
-        table.add_column(run.engine, justify="right", no_wrap=True)
+        table.add_column(f"{run.engine} ({run.dtype})" if mixed else run.engine, justify="right", no_wrap=True)
     if ratio is not None:
         table.add_column("ratio", justify="right", no_wrap=True)
     for label, cell, ratio_key in rows:
