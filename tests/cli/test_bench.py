@@ -2,6 +2,7 @@
 random weights for a config-only folder, and the errors a user can fix (exit 2, no traceback)."""
 
 import json
+import re
 
 import pytest
 from transformers import Qwen3Config
@@ -118,7 +119,7 @@ def test_hf_dtype_runs_the_peer_in_another_precision_and_says_so(tiny_model, tmp
     result = bench("--model", tiny_model, *TINY, "--dtype", "bfloat16", "--compare", "hf", "--hf-dtype", "float32",
                    "--output-json", str(out))  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "nanoinfer (bfloat16)" in result.output and "hf-transformers (float32)" in result.output
+    assert re.search(r"dtype\s*│\s*bfloat16\s*│\s*float32\s*│", result.output), result.output
     ours, hf = json.loads(out.read_text())["runs"]
     assert (ours["dtype"], hf["dtype"]) == ("bfloat16", "float32")
 

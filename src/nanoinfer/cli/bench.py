@@ -163,7 +163,7 @@ def bench(
         if compare == "hf":
             console.print("running HF transformers generate ...", markup=False)
             # Another dtype than ours (--hf-dtype) compares across precisions, e.g. nanoinfer in bfloat16
-            # against HF in float32 (issue 8's 12x target); the table names HF's dtype then.
+            # against HF in float32 (issue 8's 12x target); the table's dtype row says which ran in which.
             hf = bench_lib.run_hf_in_own_process(model_dir, workload, hf_dtype or dtype_name, device_name,
                                                  hf_batch_size, warmup)  # fmt: skip
             runs.append(hf)
@@ -266,6 +266,7 @@ def _render(console: Console, runs, ratio: dict | None) -> None:
         return ", ".join(parts) or "-"
 
     rows = [
+        ("dtype", lambda r: r.dtype or "-", None),  # differs with --hf-dtype
         ("requests", lambda r: f"{r.num_requests}", None),
         ("input tokens", lambda r: f"{r.input_tokens:,}", None),
         ("output tokens (requested)", lambda r: f"{r.output_tokens:,}", None),
@@ -284,9 +285,8 @@ def _render(console: Console, runs, ratio: dict | None) -> None:
     ]
     table = Table(title="Throughput: output tok/s = requested output tokens / wall time", title_justify="left")
     table.add_column("", style="bold", no_wrap=True)
-    mixed = len({run.dtype for run in runs}) > 1  # e.g. --hf-dtype float32 against nanoinfer in bfloat16
     for run in runs:
-        table.add_column(f"{run.engine} ({run.dtype})" if mixed else run.engine, justify="right", no_wrap=True)
+        table.add_column(run.engine, justify="right", no_wrap=True)
     if ratio is not None:
         table.add_column("ratio", justify="right", no_wrap=True)
     for label, cell, ratio_key in rows:
