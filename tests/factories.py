@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable
 
 from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.ngram_proposer import NgramProposer
 from nanoinfer.engine.scheduler import Scheduler, SchedulerOutput
 from nanoinfer.engine.sequence import Request, Sequence
 from nanoinfer.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ def make_scheduler(
     max_model_len: int = 2048,
     eos_token_ids=(EOS,),
     stop_string_checker: Callable[[Sequence], str | None] | None = None,
+    proposer: NgramProposer | None = None,
 ) -> Scheduler:
     """A Scheduler over a fresh BlockManager (16 blocks of 256 tokens unless told otherwise)."""
     block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
@@ -62,16 +64,17 @@ def make_scheduler(
         max_model_len=max_model_len,
         eos_token_ids=set(eos_token_ids),
         stop_string_checker=stop_string_checker,
+        proposer=proposer,
     )
 
 
-def fake_sampled(out: SchedulerOutput, choose: Callable[[Sequence], int] | int) -> dict[int, int]:
+def fake_sampled(out: SchedulerOutput, choose: Callable[[Sequence], int] | int) -> dict[int, list[int]]:
     """What a model would sample this step: one token for each sequence whose scheduled tokens reach its end
     (a prefill chunk that stops short samples nothing). `choose` is a token id or seq -> token id."""
     sampled = {}
     for seq, num_new in out.scheduled:
         if seq.num_computed_tokens + num_new == seq.num_tokens:
-            sampled[seq.seq_id] = choose(seq) if callable(choose) else choose
+            sampled[seq.seq_id] = [choose(seq) if callable(choose) else choose]
     return sampled
 
 

@@ -197,6 +197,7 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunR
     steps = {"prefill": 0, "decode": 0}
     num_preempted = 0
     scheduler = llm.engine.scheduler
+    drafts_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)  # the warm-up's left out
     while llm.has_unfinished_requests():
         finished, stats = llm.step()
         kind = "prefill" if stats.num_prefill_tokens else "decode"
@@ -208,6 +209,8 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunR
             ttft = time.perf_counter() - start
     _sync(device)
     wall = time.perf_counter() - start
+    num_draft = scheduler.num_draft_tokens - drafts_before[0]
+    num_accepted = scheduler.num_accepted_tokens - drafts_before[1]
     peak_rss, peak_cuda = peak_memory(device)
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     llm.engine.close()  # tensor-parallel workers, if any
@@ -221,7 +224,8 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunR
         prefill_seconds=seconds["prefill"], decode_seconds=seconds["decode"], load_seconds=load_seconds,
         ttft_seconds=ttft, peak_rss_bytes=peak_rss, peak_cuda_bytes=peak_cuda,
         details={"num_prefill_steps": steps["prefill"], "num_decode_steps": steps["decode"],
-                 "num_preempted": num_preempted,
+                 "num_preempted": num_preempted, "num_speculative_tokens": config.num_speculative_tokens,
+                 "num_draft_tokens": num_draft, "num_accepted_tokens": num_accepted,
                  "other_seconds": wall - seconds["prefill"] - seconds["decode"]},
     )  # fmt: skip
     if generated != workload.num_output_tokens:  # ignore_eos + max_tokens: exact lengths are the contract

@@ -68,6 +68,12 @@ class Config:
         num_threads: torch intra-op threads on CPU; 0 means one per physical core.
         trust_remote_code: never turned on by nanoinfer itself; passed to transformers when loading
             config.json (and the tokenizer). Only set it for a model folder you trust.
+        num_speculative_tokens: n-gram speculative decoding (vLLM's `ngram` method, prompt lookup): up to
+            this many tokens proposed per greedy sequence per step, from the continuation of the latest
+            earlier occurrence of its last tokens, and verified by the model in the same step. 0 (the
+            default) turns it off. Greedy output is unchanged; sampled requests (and those asking for
+            logprobs or penalties) are never speculated. 0..16.
+        prompt_lookup_min, prompt_lookup_max: the n-gram lengths matched, longest first (1 <= min <= max <= 8).
 
     Raises:
         ConfigError: listing every invalid field at once (field, value, rule and fix).
@@ -94,6 +100,9 @@ class Config:
     enable_prefix_caching: bool = True
     num_threads: int = 0
     trust_remote_code: bool = False
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
     # What __post_init__ filled in or clamped: (field, value, reason). Not a user setting; init=False so
     # dataclasses.replace() starts a fresh list instead of copying the old notes.
     notes: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -394,6 +403,22 @@ def _range_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
         "must be 0 (one thread per physical core) or a positive thread count.",
     )
     check("eos", lambda v: v >= -1, "is filled in from the tokenizer; leave it at -1.")
+    check(
+        "num_speculative_tokens",
+        lambda v: 0 <= v <= 16,
+        "is how many tokens n-gram speculation proposes a step and must be 0 (off) to 16. Use e.g. 3.",
+    )
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        check(name, lambda v: 1 <= v <= 8, "is an n-gram length for speculation and must be 1 to 8. Use 1 to 3.")
+    lookup_ok = not bad & {"prompt_lookup_min", "prompt_lookup_max"}
+    if lookup_ok and 1 <= c.prompt_lookup_max < c.prompt_lookup_min <= 8:
+        problems.append(
+            ConfigProblem(
+                "prompt_lookup_min",
+                c.prompt_lookup_min,
+                f"must be <= prompt_lookup_max ({c.prompt_lookup_max}). Lower it or raise prompt_lookup_max.",
+            )
+        )
     batch_ok = not bad & {"max_num_batched_tokens", "max_num_seqs"}
     if batch_ok and 1 <= c.max_num_batched_tokens < c.max_num_seqs:
         problems.append(

@@ -100,6 +100,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing else to do: no penalties, no logprobs (the argmax of the raw logits is the token)."""
+        return self.is_greedy and self.logprobs is None and not self.has_penalties
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]

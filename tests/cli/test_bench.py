@@ -124,6 +124,25 @@ def test_hf_dtype_runs_the_peer_in_another_precision_and_says_so(tiny_model, tmp
     assert (ours["dtype"], hf["dtype"]) == ("bfloat16", "float32")
 
 
+def test_speculation_reports_the_proposed_tokens_kept(tiny_model, tmp_path):
+    """--num-speculative-tokens runs the same workload (same exact token counts) and reports how many of
+    the proposed tokens the model kept; without it the row says off."""
+    out = tmp_path / "run.json"
+    args = ["--model", tiny_model, "--num-requests", "6", "--input-len", "3", "9", "--output-len", "40", "60",
+            "--seed", "3", "--num-speculative-tokens", "3", "--output-json", str(out)]  # fmt: skip
+    result = bench(*args)
+    assert result.exit_code == 0, result.output
+    [run] = json.loads(out.read_text())["runs"]
+    details = run["details"]
+    assert details["num_speculative_tokens"] == 3
+    assert details["num_draft_tokens"] >= details["num_accepted_tokens"] > 0  # a random tiny model loops
+    assert run["generated_tokens"] == run["output_tokens"]
+    row = next(line for line in result.output.splitlines() if "speculation" in line)
+    assert f"{details['num_accepted_tokens']:,} / {details['num_draft_tokens']:,}" in row
+    plain = bench("--model", tiny_model, *TINY)
+    assert "off" in next(line for line in plain.output.splitlines() if "speculation" in line)
+
+
 def test_config_only_model_folder_gets_random_weights_once(tmp_path):
     folder = tmp_path / "shape-only"
     Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

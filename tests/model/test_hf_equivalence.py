@@ -65,6 +65,11 @@ REGIMES = {
     "preemption": ("boundary", dict(max_model_len=512, num_kvcache_blocks=3)),
     "prefix_cache": ("shared", dict(max_model_len=1024, max_num_seqs=4)),
     "block_size_512": ("mixed", dict(max_model_len=1024, kvcache_block_size=512)),
+    # n-gram speculation: proposed tokens verified as decode rows, kept up to the first the model refuses.
+    "speculation": ("mixed", dict(max_model_len=512, num_speculative_tokens=3)),
+    "speculation_preemption": ("boundary", dict(max_model_len=512, num_kvcache_blocks=3, num_speculative_tokens=5)),
+    "speculation_chunked_prefill": ("mixed", dict(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
+                                                  num_speculative_tokens=2, prompt_lookup_min=2)),
 }
 
 
@@ -78,6 +83,9 @@ def test_greedy_matches_transformers(tiny_model_dirs, references, family, regime
     for i, (out, ref) in enumerate(zip(outputs, expected)):
         assert out.finish_reason == "length", out.error
         assert out.token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens) diverged from transformers"
+    if settings.get("num_speculative_tokens"):
+        scheduler = llm.engine.scheduler
+        assert scheduler.num_accepted_tokens > 0  # the regime did verify and keep proposals
     scheduler, block_manager = llm.engine.scheduler, llm.engine.block_manager
     if regime == "chunked_prefill":
         longest = max(len(p) for p in prompts)
@@ -140,6 +148,28 @@ def test_fused_cpu_decode_in_bfloat16_on_amx_is_bit_identical_to_the_layer_loop(
     for a, b in zip(fused, looped):
         assert a.token_ids == b.token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_speculation_gives_the_tokens_of_plain_decoding(tmp_path, dtype):
+    """Speculation keeps a proposed token only where the model's own greedy token is the same, and each
+    verified row is computed as a lone decode row would be (csrc/paged_attention.cpp's runs of rows: on AMX
+    several rows share the key tiles), so outputs equal plain decoding's in bfloat16 too, to the
+    log-probability of the rows plain decoding samples. 64-dim heads, 3 query heads a KV head: SmolLM2's
+    grouping, which the AMX attention takes."""
+    from nanoinfer.testing.tiny_models import build_tiny_model
+
+    path = build_tiny_model("llama", tmp_path / "llama", hidden_size=192, num_heads=6, num_kv_heads=2, head_dim=64)
+    import transformers
+
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:10]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    settings = dict(device="cpu", dtype=dtype, max_model_len=512, cpu_kvcache_space_gib=0.25)
+    plain = LLM(str(path), **settings).generate(prompts, params)
+    llm = LLM(str(path), num_speculative_tokens=4, **settings)
+    speculated = llm.generate(prompts, params)
+    assert [out.token_ids for out in speculated] == [out.token_ids for out in plain]
+    assert llm.engine.scheduler.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -141,7 +141,7 @@ def drive(case: Case):
         out = sched.schedule()
         check_step(case, sched, out, seqs)
         sampled = {
-            seq.seq_id: fake_model(seq)
+            seq.seq_id: [fake_model(seq)]
             for seq, n in out.scheduled
             if seq.num_computed_tokens + n == seq.num_tokens
         }

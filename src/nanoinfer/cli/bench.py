@@ -31,7 +31,10 @@ from nanoinfer.cli.check_config import (
     MaxNumSeqsFlag,
     ModelFlag,
     NumKvcacheBlocksFlag,
+    NumSpeculativeTokensFlag,
     NumThreadsFlag,
+    PromptLookupMaxFlag,
+    PromptLookupMinFlag,
     TensorParallelSizeFlag,
 )
 from nanoinfer.errors import NanoInferError
@@ -97,6 +100,9 @@ def bench(
     attention_backend: AttentionBackendFlag = None,
     enable_prefix_caching: EnablePrefixCachingFlag = None,
     num_threads: NumThreadsFlag = None,
+    num_speculative_tokens: NumSpeculativeTokensFlag = None,
+    prompt_lookup_min: PromptLookupMinFlag = None,
+    prompt_lookup_max: PromptLookupMaxFlag = None,
 ):
     """Measure generation throughput on random prompts (nano-vllm's bench.py workload).
 
@@ -119,7 +125,8 @@ def bench(
         "cpu_kvcache_space_gib": cpu_kvcache_space_gib, "gpu_memory_utilization": gpu_memory_utilization,
         "tensor_parallel_size": tensor_parallel_size, "enforce_eager": enforce_eager,
         "attention_backend": attention_backend, "enable_prefix_caching": enable_prefix_caching,
-        "num_threads": num_threads,
+        "num_threads": num_threads, "num_speculative_tokens": num_speculative_tokens,
+        "prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max,
     }  # fmt: skip
     with user_errors():
         if compare is not None and compare not in COMPARE_CHOICES:
@@ -257,6 +264,18 @@ def _startup(engine_info: dict, ours) -> float | None:
     return ready + ours.ttft_seconds if ready is not None and ours.ttft_seconds is not None else None
 
 
+def _speculation_cell(run) -> str:
+    """n-gram speculation's proposed tokens the model kept, e.g. "5,777 / 6,802 (85%)"; "off" or "-"."""
+    details = run.details or {}
+    if "num_speculative_tokens" not in details:
+        return "-"  # a peer
+    if not details["num_speculative_tokens"]:
+        return "off"
+    proposed, kept = details["num_draft_tokens"], details["num_accepted_tokens"]
+    share = f" ({kept / proposed:.0%})" if proposed else ""
+    return f"{kept:,} / {proposed:,}{share}"
+
+
 def _render(console: Console, runs, ratio: dict | None) -> None:
     from nanoinfer.memory import format_bytes
 
@@ -280,6 +299,7 @@ def _render(console: Console, runs, ratio: dict | None) -> None:
             lambda r: f"{r.ttft_seconds:.2f}" if r.ttft_seconds is not None else "-",
             None,
         ),
+        ("speculation (kept / proposed)", _speculation_cell, None),
         ("model load (s)", lambda r: f"{r.load_seconds:.2f}", None),
         ("peak memory", memory, None),
     ]

@@ -71,6 +71,19 @@ EnablePrefixCachingFlag = Annotated[
 NumThreadsFlag = Annotated[
     int | None, typer.Option("--num-threads", help="Torch threads on CPU; 0 = one per physical core.")
 ]
+NumSpeculativeTokensFlag = Annotated[
+    int | None,
+    typer.Option(
+        "--num-speculative-tokens",
+        help="n-gram speculative decoding: tokens proposed per greedy sequence a step (0 = off, up to 16).",
+    ),
+]
+PromptLookupMinFlag = Annotated[
+    int | None, typer.Option("--prompt-lookup-min", help="Shortest n-gram matched by speculation (1..8).")
+]
+PromptLookupMaxFlag = Annotated[
+    int | None, typer.Option("--prompt-lookup-max", help="Longest n-gram matched by speculation (1..8).")
+]
 TrustRemoteCodeFlag = Annotated[
     bool | None,
     typer.Option(
@@ -104,6 +117,9 @@ def check_config(
     cpu_kvcache_space_gib: CpuKvcacheSpaceGibFlag = None,
     enable_prefix_caching: EnablePrefixCachingFlag = None,
     num_threads: NumThreadsFlag = None,
+    num_speculative_tokens: NumSpeculativeTokensFlag = None,
+    prompt_lookup_min: PromptLookupMinFlag = None,
+    prompt_lookup_max: PromptLookupMaxFlag = None,
     trust_remote_code: TrustRemoteCodeFlag = None,
     json_output: Annotated[
         bool, typer.Option("--json", help='Print {"ok", "config", "sources", "notes", "problems"} as JSON.')
@@ -132,6 +148,9 @@ def check_config(
         "cpu_kvcache_space_gib": cpu_kvcache_space_gib,
         "enable_prefix_caching": enable_prefix_caching,
         "num_threads": num_threads,
+        "num_speculative_tokens": num_speculative_tokens,
+        "prompt_lookup_min": prompt_lookup_min,
+        "prompt_lookup_max": prompt_lookup_max,
         "trust_remote_code": trust_remote_code,
     }
     if json_output:

@@ -36,7 +36,10 @@ from nanoinfer.cli.check_config import (
     MaxNumSeqsFlag,
     ModelFlag,
     NumKvcacheBlocksFlag,
+    NumSpeculativeTokensFlag,
     NumThreadsFlag,
+    PromptLookupMaxFlag,
+    PromptLookupMinFlag,
     SeedFlag,
     TensorParallelSizeFlag,
     TrustRemoteCodeFlag,
@@ -127,6 +130,9 @@ def generate(
     cpu_kvcache_space_gib: CpuKvcacheSpaceGibFlag = None,
     enable_prefix_caching: EnablePrefixCachingFlag = None,
     num_threads: NumThreadsFlag = None,
+    num_speculative_tokens: NumSpeculativeTokensFlag = None,
+    prompt_lookup_min: PromptLookupMinFlag = None,
+    prompt_lookup_max: PromptLookupMaxFlag = None,
     trust_remote_code: TrustRemoteCodeFlag = None,
     temperature: Annotated[
         float | None, _opt("--temperature", help="0 = greedy (default 1.0).", panel=_SAMPLING)
@@ -221,6 +227,9 @@ def generate(
         "cpu_kvcache_space_gib": cpu_kvcache_space_gib,
         "enable_prefix_caching": enable_prefix_caching,
         "num_threads": num_threads,
+        "num_speculative_tokens": num_speculative_tokens,
+        "prompt_lookup_min": prompt_lookup_min,
+        "prompt_lookup_max": prompt_lookup_max,
         "trust_remote_code": trust_remote_code,
     }
     flags = {

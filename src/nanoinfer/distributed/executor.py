@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from nanoinfer.distributed import set_tensor_parallel
 from nanoinfer.distributed.worker import WorkerArgs, forward_shard, pack_step, recv, send, worker_main
-from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.model_runner import ModelRunner, group_by_sequence
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.errors import NanoInferError
 
@@ -129,14 +129,13 @@ class TensorParallelExecutor:
     def worker_pids(self) -> list[int]:
         return [w.process.pid for w in self._state.workers]
 
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        """Run one step on every rank; returns seq_id -> sampled token id (sampled on rank 0 only)."""
+    def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Run one step on every rank; returns seq_id -> sampled token ids (sampled on rank 0 only)."""
         input_ids, positions, metadata, sample_indices, sample_seqs = self.runner.prepare_inputs(out)
         logits = self._forward(input_ids, positions, metadata, sample_indices, with_logits=bool(sample_seqs))
         if logits is None:
             return {}
-        token_ids = self.runner.sampler(logits, sample_seqs)
-        return {seq.seq_id: t for seq, t in zip(sample_seqs, token_ids)}
+        return group_by_sequence(sample_seqs, self.runner.sampler(logits, sample_seqs))
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Full-vocabulary logits of the sequences that reach their end this step (gathered on rank 0)."""

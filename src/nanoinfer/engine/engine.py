@@ -16,6 +16,7 @@ from nanoinfer.cpu_ops import keep_freed_memory_for_reuse
 from nanoinfer.distributed.executor import TensorParallelExecutor
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import ModelRunner, kv_cache_dtype_of
+from nanoinfer.engine.ngram_proposer import NgramProposer
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Request, Sequence
 
@@ -25,7 +26,7 @@ logger = logging.getLogger("nanoinfer")
 @dataclass
 class StepStats:
     num_prefill_tokens: int  # tokens of sequences still catching up with their prompt (or recompute)
-    num_decode_tokens: int  # one per sequence generating its next token
+    num_decode_tokens: int  # one per sequence generating its next token, plus its proposed tokens
     num_preempted: int
     seconds: float
 
@@ -52,6 +53,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             eos_token_ids=eos_token_ids,
             stop_string_checker=stop_string_checker,
+            proposer=_make_proposer(config),
         )
 
     def add_request(self, request: Request) -> None:
@@ -82,7 +84,13 @@ def _make_runner(config: Config, num_blocks: int):
 
 
 def _is_decode(seq: Sequence, num_new: int) -> bool:
-    return num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+    return num_new == 1 + len(seq.spec_token_ids) and seq.num_computed_tokens >= seq.num_prompt_tokens
+
+
+def _make_proposer(config: Config) -> NgramProposer | None:
+    if config.num_speculative_tokens == 0:
+        return None
+    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 def _setup_cpu_process(config: Config) -> None:

@@ -26,6 +26,18 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 TORCH_KV_CACHE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def group_by_sequence(sample_seqs: list[Sequence], token_ids: list[int]) -> dict[int, list[int]]:
+    """One sampled token a row -> seq_id -> its tokens in order (a speculated sequence has several rows)."""
+    sampled: dict[int, list[int]] = {}
+    for seq, token_id in zip(sample_seqs, token_ids):
+        tokens = sampled.get(seq.seq_id)
+        if tokens is None:
+            sampled[seq.seq_id] = [token_id]
+        else:
+            tokens.append(token_id)
+    return sampled
+
+
 def kv_cache_dtype_of(config) -> torch.dtype:
     """The KV cache's torch dtype (a resolved Config's kv_cache_dtype names it: never auto or fp8)."""
     return TORCH_KV_CACHE_DTYPES[config.kv_cache_dtype]
@@ -127,15 +139,15 @@ class ModelRunner:
         self.execute(out)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        """Run one step; returns seq_id -> sampled token id for the sequences that reached their end."""
+    def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Run one step; returns seq_id -> the token ids sampled for the sequences that reached their end
+        (one each, or one per scheduled token of a speculated sequence)."""
         input_ids, positions, metadata, sample_indices, sample_seqs = self.prepare_inputs(out)
         hidden_states = self._forward(input_ids, positions, metadata)
         if not sample_seqs:
             return {}
         logits = self.model.compute_logits(hidden_states[sample_indices])
-        token_ids = self.sampler(logits, sample_seqs)
-        return {seq.seq_id: t for seq, t in zip(sample_seqs, token_ids)}
+        return group_by_sequence(sample_seqs, self.sampler(logits, sample_seqs))
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -166,6 +178,25 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num_new
             table = seq.block_table
+            if seq.spec_token_ids:
+                # A speculated sequence: its last token and the proposed ones, each laid out as a decode row of
+                # its own (query length 1, the context up to and including it). Every backend's decode kernel
+                # then verifies them, the fused CPU decode loop included; this step's rows are stored in the
+                # cache before any row attends, so each sees the proposed tokens before it.
+                tokens = [seq.token_ids[start], *seq.spec_token_ids]
+                for i, token in enumerate(tokens):
+                    pos = start + i
+                    input_ids.append(token)
+                    positions.append(pos)
+                    slot_mapping.append(table[pos // bs] * bs + pos % bs)
+                    query_lens.append(1)
+                    seq_lens.append(pos + 1)
+                    tables.append(table)
+                    sample_indices.append(len(input_ids) - 1)
+                    sample_seqs.append(seq)
+                if len(table) > max_blocks:
+                    max_blocks = len(table)
+                continue
             if num_new == 1:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)

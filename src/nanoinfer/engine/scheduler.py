@@ -4,6 +4,11 @@ No prefill/decode modes (vLLM v1's idea): every sequence has num_computed_tokens
 lets the first catch up with the second. So chunked prefill (for any number of sequences), prefix-cache
 hits and decode are one code path. When the cache runs out, the most recently admitted running sequence
 is preempted by recompute: its blocks are freed and it goes back to the front of the queue.
+
+With n-gram speculation on (engine/ngram_proposer.py), a greedy sequence ready for its next token may get
+proposed tokens too: it is scheduled for 1 + k tokens (its last token and the proposal), the model samples
+its greedy token at each, and update() keeps the proposal up to the first token that differs, plus the
+model's own token there. Every kept token is the one plain decoding would have produced.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.ngram_proposer import NgramProposer
 from nanoinfer.engine.sequence import Request, Sequence, SequenceStatus
 
 
@@ -39,6 +45,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int] = frozenset(),
         stop_string_checker: Callable[[Sequence], str | None] | None = None,
+        proposer: NgramProposer | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -49,6 +56,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.proposer = proposer
+        self.num_draft_tokens = 0  # tokens proposed by speculation, and how many of them the model kept
+        self.num_accepted_tokens = 0
         self._finished_at_admission: list[Request] = []
         self._num_unfinished_requests = 0
 
@@ -127,30 +137,87 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+
+        # Last, proposed tokens, from what the budget has left: speculation never delays an admission.
+        if self.proposer is not None and budget > 0:
+            for j, (seq, num_new) in enumerate(out.scheduled):
+                if budget <= 0:
+                    break
+                if num_new == 1 and self._speculate(seq, budget):
+                    out.scheduled[j] = (seq, 1 + len(seq.spec_token_ids))
+                    budget -= len(seq.spec_token_ids)
         return out
+
+    def _speculate(self, seq: Sequence, spare_budget: int) -> bool:
+        """Propose tokens for `seq` (scheduled for its last token) and give them slots; False (nothing proposed)
+        when it is not a greedy sequence about to sample, nothing matches, or the slots would take a block
+        another sequence may need."""
+        params = seq.params
+        if seq.num_tokens - seq.num_computed_tokens != 1 or not params.is_plain_greedy:
+            return False
+        # Never past what the sequence may still generate: the model adds one token of its own after the
+        # kept proposal, so a proposal of m tokens can end the sequence m + 1 tokens later.
+        limit = min(spare_budget, self.max_model_len - seq.num_tokens - 1)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
+        draft = self.proposer.propose(seq, limit)
+        if not draft:
+            return False
+        bm = self.block_manager
+        # A proposal that needs a new block takes it only while every running sequence could still get one:
+        # speculation must never be the reason a sequence is preempted.
+        needs_block = bm.num_blocks_for(seq.num_tokens + len(draft)) > len(seq.block_table)
+        if needs_block and bm.num_free_blocks < len(self.running) + 1:
+            return False
+        if not bm.allocate_slots(seq, 1 + len(draft)):
+            return False
+        seq.spec_token_ids = draft
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     # ---- after the forward pass ---------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens (seq_id -> token id), apply stop rules.
+    def update(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens (seq_id -> the token ids sampled for it: one, or
+        one per scheduled token of a speculated sequence), apply stop rules.
         Returns the requests that finished (all their sequences done)."""
         finished: list[Request] = self._finished_at_admission
         self._finished_at_admission = []
         for seq, num_new in out.scheduled:
+            token_ids = sampled.get(seq.seq_id)
+            draft = seq.spec_token_ids
+            if draft:
+                seq.spec_token_ids = []
+                # token_ids[i] is the model's greedy token after the last token and draft[:i]: the draft holds
+                # while it agrees. The rejected tokens' keys and values stay in their slots past
+                # num_computed_tokens, where the next step's tokens overwrite them.
+                accepted = 0
+                while accepted < len(draft) and token_ids[accepted] == draft[accepted]:
+                    accepted += 1
+                token_ids = token_ids[: accepted + 1]
+                num_new = 1 + accepted
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += accepted
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
-            token_id = sampled.get(seq.seq_id)
-            if token_id is None:
+            if token_ids is None:
+                self.block_manager.cache_full_blocks(seq)
                 continue  # a prefill chunk that did not reach the end of the sequence
-            seq.token_ids.append(token_id)
-            reason = self._stop_reason(seq, token_id)
+            reason = None
+            for token_id in token_ids:  # one at a time: the stop rules see each token as plain decoding would
+                seq.token_ids.append(token_id)
+                reason = self._stop_reason(seq, token_id)
+                if reason is not None:
+                    break
+            # A stop inside a kept draft leaves tokens computed past the end: only the sequence's own count.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            self.block_manager.cache_full_blocks(seq)
             if reason is not None:
                 self._finish(seq, *reason)
                 self.running.remove(seq)

@@ -48,6 +48,10 @@ class Sequence:
         self.logprobs: list[Logprob] = []
         self.output_text = ""  # filled by the stop-string checker when stop strings are set
         self.num_preemptions = 0
+        # Speculation (engine/ngram_proposer.py): the tokens proposed for this step, scheduled after the last
+        # token and not part of token_ids until the model confirms them; and the sequence's n-gram index.
+        self.spec_token_ids: list[int] = []
+        self.ngram_index = None
         seed = request.sampling_params.seed
         self.sampling_seed = None if seed is None else seed + index
         # Made by the sampler on the logits' device at the first draw: a CPU generator cannot drive a CUDA

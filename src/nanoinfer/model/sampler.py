@@ -11,7 +11,6 @@ import torch
 
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.engine.sequence import Logprob, Sequence
-from nanoinfer.sampling_params import SamplingParams
 
 
 class Sampler:
@@ -27,11 +26,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits [num_seqs, vocab] (the model's dtype) -> one token id per sequence."""
         params = [s.params for s in seqs]  # read once: this runs for every row of every step
-        if all(_plain_greedy(p) for p in params):
+        if all(p.is_plain_greedy for p in params):
             return _argmax(logits).tolist()  # the logits as they are: widening them would not change the argmax
         logits = logits.float()
         raw_logits = logits
-        penalised = [i for i, p in enumerate(params) if _has_penalties(p)]
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
             logits = logits.clone()
             for i in penalised:
@@ -80,15 +79,6 @@ class Sampler:
                     seq.generator = torch.Generator(device=device).manual_seed(seq.sampling_seed)
                 out[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
         return out
-
-
-def _plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with nothing else to do: no penalties, no logprobs (the argmax of the raw logits is the token)."""
-    return (p.temperature == 0 or p.top_k == 1) and p.logprobs is None and not _has_penalties(p)
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

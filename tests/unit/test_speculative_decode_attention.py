@@ -1,0 +1,61 @@
+"""Decode attention over runs of rows (csrc/paged_attention.cpp): speculative decoding lays out a sequence's
+last token and its proposed tokens as consecutive decode rows of one block table with lengths n, n + 1, ...
+The kernel computes such a run in one work item (on AMX, as one row with more query heads a KV head); each
+row must come out bit for bit as it does alone, and match float64 attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoinfer.cpu_ops import cpu_ops
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels are not built")
+
+
+def _runs(num_seqs: int, run_len: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype):
+    gen = torch.Generator().manual_seed(run_len * 100 + num_heads)
+    blocks_per_seq = -(-(300 + run_len) // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(num_seqs, blocks_per_seq)
+    seqs, lens = [], []
+    for s in range(num_seqs):
+        first = 1 + (s * 97) % 300  # 1..300 tokens: shorter than a tile, partial tiles, across blocks
+        for r in range(run_len):
+            seqs.append(s)
+            lens.append(first + r)
+    query = torch.randn(len(seqs), num_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, tables[seqs], torch.tensor(lens, dtype=torch.int32)
+
+
+def _reference(query, k_cache, v_cache, tables, seq_lens, scale):
+    out = []
+    group = query.shape[1] // k_cache.shape[2]
+    for b, n in enumerate(seq_lens.tolist()):
+        k = k_cache[tables[b].long()].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        v = v_cache[tables[b].long()].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        probs = torch.softmax(torch.einsum("hd,thd->ht", query[b].double(), k) * scale, dim=-1)
+        out.append(torch.einsum("ht,thd->hd", probs, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64, 256), (8, 2, 128, 16), (4, 4, 64, 256), (16, 1, 64, 256)])
+@pytest.mark.parametrize("run_len", [2, 4, 6, 9])
+def test_runs_of_rows_give_each_row_its_bits_alone(dtype, heads, run_len):
+    """(9, 3): SmolLM2's heads, runs of up to 5 rows share a tile's 16 columns, longer runs split; (8, 2) with
+    16-token blocks: tiles cross blocks; (16, 1): a row fills the columns, so runs go row by row."""
+    num_heads, num_kv_heads, head_dim, block_size = heads
+    query, k_cache, v_cache, tables, lens = _runs(5, run_len, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    ops = cpu_ops()
+    together = ops.paged_decode(query, k_cache, v_cache, tables, lens, 0.1)
+    # The same rows in an order where no two neighbours make a run: every row computed alone.
+    order = torch.tensor(sorted(range(len(lens)), key=lambda i: (i % run_len, i // run_len)))
+    alone = torch.empty_like(together)
+    alone[order] = ops.paged_decode(query[order], k_cache, v_cache, tables[order], lens[order], 0.1)
+    assert torch.equal(together, alone)
+    expected = _reference(query, k_cache, v_cache, tables, lens, 0.1)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 outputs: 8 mantissa bits
+    torch.testing.assert_close(together.double(), expected, atol=tolerance, rtol=tolerance)
