@@ -137,10 +137,11 @@ def test_speculation_reports_the_proposed_tokens_kept(tiny_model, tmp_path):
     assert details["num_speculative_tokens"] == 3
     assert details["num_draft_tokens"] >= details["num_accepted_tokens"] > 0  # a random tiny model loops
     assert run["generated_tokens"] == run["output_tokens"]
-    row = next(line for line in result.output.splitlines() if "speculation" in line)
-    assert f"{details['num_accepted_tokens']:,} / {details['num_draft_tokens']:,}" in row
+    row = next(line for line in result.output.splitlines() if "speculated tokens kept" in line)
+    share = details["num_accepted_tokens"] / details["num_draft_tokens"]
+    assert f"{share:.0%} of {details['num_draft_tokens']:,}" in row
     plain = bench("--model", tiny_model, *TINY)
-    assert "off" in next(line for line in plain.output.splitlines() if "speculation" in line)
+    assert "off" in next(line for line in plain.output.splitlines() if "speculated tokens kept" in line)
 
 
 def test_config_only_model_folder_gets_random_weights_once(tmp_path):

@@ -265,15 +265,14 @@ def _startup(engine_info: dict, ours) -> float | None:
 
 
 def _speculation_cell(run) -> str:
-    """n-gram speculation's proposed tokens the model kept, e.g. "5,777 / 6,802 (85%)"; "off" or "-"."""
+    """The share of n-gram speculation's proposed tokens the model kept, e.g. "85% of 6,802"; "off" or "-"."""
     details = run.details or {}
     if "num_speculative_tokens" not in details:
         return "-"  # a peer
     if not details["num_speculative_tokens"]:
         return "off"
     proposed, kept = details["num_draft_tokens"], details["num_accepted_tokens"]
-    share = f" ({kept / proposed:.0%})" if proposed else ""
-    return f"{kept:,} / {proposed:,}{share}"
+    return f"{kept / proposed:.0%} of {proposed:,}" if proposed else "none proposed"
 
 
 def _render(console: Console, runs, ratio: dict | None) -> None:
@@ -299,7 +298,7 @@ def _render(console: Console, runs, ratio: dict | None) -> None:
             lambda r: f"{r.ttft_seconds:.2f}" if r.ttft_seconds is not None else "-",
             None,
         ),
-        ("speculation (kept / proposed)", _speculation_cell, None),
+        ("speculated tokens kept", _speculation_cell, None),
         ("model load (s)", lambda r: f"{r.load_seconds:.2f}", None),
         ("peak memory", memory, None),
     ]
