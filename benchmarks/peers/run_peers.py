@@ -217,6 +217,17 @@ def _parser() -> argparse.ArgumentParser:
         "'default': the CPU plugin's own (u8); or an OpenVINO type name such as f16, u8.",
     )
     ov.add_argument(
+        "--ov-prompt-lookup",
+        type=int,
+        default=0,
+        metavar="K",
+        help="OpenVINO's prompt lookup decoding with K candidate tokens a step and n-grams up to "
+        "--ov-max-ngram-size (the counterpart of nanoinfer's --num-speculative-tokens K; default 0: off).",
+    )
+    ov.add_argument(
+        "--ov-max-ngram-size", type=int, default=3, help="Longest n-gram prompt lookup matches (default: %(default)s)."
+    )
+    ov.add_argument(
         "--ov-export-python",
         default=None,
         help="Python of a venv with optimum-intel, for the one-time IR export (default: this one).",
@@ -313,7 +324,8 @@ def _engine_flags(args) -> list[str]:
              "--ov-max-num-seqs", str(args.ov_max_num_seqs),
              "--ov-dynamic-split-fuse" if args.ov_dynamic_split_fuse else "--no-ov-dynamic-split-fuse",
              "--ov-kv-cache-precision", args.ov_kv_cache_precision, "--llamacpp-n-batch", str(args.llamacpp_n_batch),
-             "--llamacpp-n-ubatch", str(args.llamacpp_n_ubatch)]  # fmt: skip
+             "--llamacpp-n-ubatch", str(args.llamacpp_n_ubatch), "--ov-prompt-lookup", str(args.ov_prompt_lookup),
+             "--ov-max-ngram-size", str(args.ov_max_ngram_size)]  # fmt: skip
     if args.ov_export_python:
         flags += ["--ov-export-python", args.ov_export_python]
     if args.llamacpp_parallel:
@@ -535,6 +547,8 @@ def run_openvino(doc: dict, precision: str, args) -> dict:
     }
     if kv is not None:
         properties["KV_CACHE_PRECISION"] = kv  # the CPU plugin's default is u8, a lossy cache nanoinfer lacks
+    if args.ov_prompt_lookup:
+        properties["prompt_lookup"] = True  # the pipeline then proposes from each request's own tokens
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = args.ov_cache_gb
     scheduler.max_num_batched_tokens = args.ov_max_num_batched_tokens
@@ -551,6 +565,8 @@ def run_openvino(doc: dict, precision: str, args) -> dict:
         c.max_new_tokens = c.min_new_tokens = n
         c.ignore_eos, c.do_sample = True, False
         c.stop_token_ids = set()  # generation_config.json's EOS would otherwise stop a request early
+        if args.ov_prompt_lookup:
+            c.num_assistant_tokens, c.max_ngram_size = args.ov_prompt_lookup, args.ov_max_ngram_size
         return c
 
     def tensor(ids: list[int]):
@@ -574,6 +590,8 @@ def run_openvino(doc: dict, precision: str, args) -> dict:
         "engine": f"openvino-{precision}",
         "precision": OV_DTYPE[precision] if effective == precision else f"{OV_DTYPE[precision]}->{OV_DTYPE[effective]}",
         "weights": f"fp32 IR (no weight compression), {kv or 'plugin-default'} KV cache"
+        + (f", prompt lookup {args.ov_prompt_lookup} tokens / {args.ov_max_ngram_size}-grams"
+           if args.ov_prompt_lookup else "")
         + ("" if effective == precision else f"; this CPU has no native bf16 ({', '.join(capabilities)}): runs f32"),
         "generated_tokens": sum(lens),
         "seconds": seconds,
@@ -585,6 +603,8 @@ def run_openvino(doc: dict, precision: str, args) -> dict:
             "openvino": ov.__version__, "openvino_genai": ov_genai.__version__, "ir_dir": str(ir_dir),
             "properties": {k: str(v) for k, v in properties.items()}, "cpu_capabilities": list(capabilities),
             "kv_cache_precision": kv or "plugin default", "effective_precision": effective,
+            "prompt_lookup": {"num_assistant_tokens": args.ov_prompt_lookup, "max_ngram_size": args.ov_max_ngram_size}
+            if args.ov_prompt_lookup else None,
             "sample_output_ids": list(results[0].m_generation_ids[0][:SAMPLE_TOKENS]),
             "scheduler": {"cache_size_gb": scheduler.cache_size,
                           "max_num_batched_tokens": scheduler.max_num_batched_tokens,
