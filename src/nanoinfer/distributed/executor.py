@@ -140,7 +140,7 @@ class TensorParallelExecutor:
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Full-vocabulary logits of the sequences that reach their end this step (gathered on rank 0)."""
         input_ids, positions, metadata, sample_indices, _ = self.runner.prepare_inputs(out)
-        return self._forward(input_ids, positions, metadata, sample_indices, with_logits=True)
+        return self._forward(input_ids, positions, metadata, sample_indices, with_logits=True).float()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._check_usable()

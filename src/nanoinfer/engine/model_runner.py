@@ -154,7 +154,7 @@ class ModelRunner:
         """Logits of the sequences that reach their end this step (for tests against transformers)."""
         input_ids, positions, metadata, sample_indices, _ = self.prepare_inputs(out)
         hidden_states = self._forward(input_ids, positions, metadata)
-        return self.model.compute_logits(hidden_states[sample_indices])
+        return self.model.compute_logits(hidden_states[sample_indices]).float()
 
     def _forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(metadata):

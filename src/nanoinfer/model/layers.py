@@ -197,7 +197,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states -> float32 logits over the full vocabulary (each rank computes its vocabulary shard)."""
+    """Hidden states -> logits over the full vocabulary, in the model's dtype (each rank computes its
+    vocabulary shard). Not widened to float32 here: greedy rows take their argmax from the bfloat16 logits
+    as they are (the widening is exact and order-preserving), and the sampler widens the rest itself; the
+    widening copy cost ~1.1 ms a step in bfloat16 W (64 x 49,152 logits)."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
@@ -207,4 +210,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = linear(hidden_states, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)[..., : self.vocab_size]
-        return logits.float()
+        return logits
