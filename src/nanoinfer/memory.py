@@ -440,11 +440,13 @@ def estimate_weights_bytes(hf_config, dtype: torch.dtype | str) -> int:
 
 
 def estimate_activation_bytes(
-    hf_config, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype | str, tp: int
+    hf_config, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype | str, tp: int,
+    num_speculative_tokens: int = 0,
 ) -> int:
     """Estimated forward-pass peak on one rank; the engine measures it instead on CUDA.
 
-    For T = max_num_batched_tokens tokens and S = max_num_seqs rows of logits:
+    For T = max_num_batched_tokens tokens and S rows of logits (max_num_seqs; with n-gram speculation each
+    sequence samples up to 1 + num_speculative_tokens rows, at most T in all):
       resident: hidden states and residual, 2 x T x hidden_size
       plus the largest of
         attention: q, k, v and the attention output, T x (2 x heads + 2 x kv_heads) / tp x head_dim
@@ -460,5 +462,6 @@ def estimate_activation_bytes(
     resident = 2 * tokens * _get(hf_config, "hidden_size") * size
     attention = tokens * (2 * heads + 2 * kv_heads) * head_dim(hf_config) * size
     mlp = tokens * 3 * (_get(hf_config, "intermediate_size") // tp) * size
-    sampling = 2 * max_num_seqs * _get(hf_config, "vocab_size") * 4
+    rows = min(tokens, max_num_seqs * (1 + num_speculative_tokens))
+    sampling = 2 * rows * _get(hf_config, "vocab_size") * 4
     return resident + max(attention, mlp, sampling)

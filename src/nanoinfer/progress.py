@@ -52,6 +52,8 @@ class JobProgress:
         self.output_tokens = 0
         self.prefill_tokens = 0  # computed by the engine (prefix-cache hits excluded, recompute included)
         self.num_preempted = 0
+        self.num_draft_tokens = 0  # n-gram speculation: tokens proposed, and the ones the model kept
+        self.num_accepted_tokens = 0
         self.start = time.monotonic()
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prefill tokens, decode tokens)
         self._last_log = self.start
@@ -90,11 +92,16 @@ class JobProgress:
             self._bar = None
 
     # ---- events ------------------------------------------------------------------------------------------
-    def on_step(self, num_prefill_tokens: int, num_decode_tokens: int, num_preempted: int = 0) -> None:
+    def on_step(self, num_prefill_tokens: int, num_decode_tokens: int, num_preempted: int = 0,
+                num_draft_tokens: int = 0, num_accepted_tokens: int = 0) -> None:
         now = time.monotonic()
         self.prefill_tokens += num_prefill_tokens
         self.num_preempted += num_preempted
-        self._window.append((now, num_prefill_tokens, num_decode_tokens))
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        # The live output rate counts tokens generated: a refused proposed token was computed, not generated.
+        generated = num_decode_tokens - (num_draft_tokens - num_accepted_tokens)
+        self._window.append((now, num_prefill_tokens, generated))
         while self._window and now - self._window[0][0] > RATE_WINDOW_SECONDS:
             self._window.popleft()
         self._tick(now)
@@ -136,6 +143,8 @@ class JobProgress:
             "output_tokens": self.output_tokens,
             "prefill_tokens_computed": self.prefill_tokens,
             "preemptions": self.num_preempted,
+            "speculative_tokens_proposed": self.num_draft_tokens,
+            "speculative_tokens_kept": self.num_accepted_tokens,
             "seconds": round(elapsed, 3),
             "requests_per_s": round(self.num_done / elapsed, 3) if elapsed > 0 else None,
             "output_tokens_per_s": round(self.output_tokens / elapsed, 2) if elapsed > 0 else None,
@@ -145,9 +154,11 @@ class JobProgress:
         s = self.summary()
         skipped = f" (+{s['skipped']} from an earlier run)" if s["skipped"] else ""
         rate = s["output_tokens_per_s"] or 0.0
+        proposed, kept = s["speculative_tokens_proposed"], s["speculative_tokens_kept"]
+        speculation = f"; speculation kept {kept:,} of {proposed:,} proposed tokens" if proposed else ""
         return (
             f"{s['requests']} requests{skipped}, {s['errors']} errors; {s['prompt_tokens']} prompt tokens, "
-            f"{s['output_tokens']} output tokens in {s['seconds']:.1f} s ({rate:.1f} output tok/s)"
+            f"{s['output_tokens']} output tokens in {s['seconds']:.1f} s ({rate:.1f} output tok/s){speculation}"
         )
 
     def log_line(self) -> str:

@@ -200,6 +200,25 @@ def test_json_summary_goes_to_stdout(files, tiny_model):
     assert "done: 4 requests, 0 errors" in result.stderr
 
 
+def test_speculation_writes_the_same_records_and_says_how_much_it_kept(files, tiny_model, tmp_path):
+    """--num-speculative-tokens: the same texts as plain greedy decoding; the summary counts the proposed
+    tokens and the kept ones (a random tiny model loops, so proposals happen)."""
+    source, out = files
+    args = [*ENGINE_ARGS[:-3], "--max-tokens", "40", "--ignore-eos", "--quiet"]  # greedy, 40 tokens each
+    plain = invoke(source, "-o", out, "--model", tiny_model, *args, "--json")
+    assert plain.exit_code == 0, plain.output
+    speculated_out = tmp_path / "speculated.jsonl"
+    result = invoke(source, "-o", speculated_out, "--model", tiny_model, *args, "--num-speculative-tokens", "3",
+                    "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    texts = {r["id"]: r["text"] for r in read(out)}  # records come in the order requests finish
+    assert {r["id"]: r["text"] for r in read(speculated_out)} == texts and len(texts) == len(PROMPTS)
+    summary = json.loads(result.stdout)
+    assert summary["speculative_tokens_proposed"] >= summary["speculative_tokens_kept"] > 0
+    assert json.loads(plain.stdout)["speculative_tokens_proposed"] == 0
+    assert f"speculation kept {summary['speculative_tokens_kept']:,} of" in result.stderr
+
+
 def test_plain_progress_logs_periodic_lines():
     stream = io.StringIO()
     with JobProgress(total=10, num_skipped=2, plain=True, stream=stream, log_seconds=0) as progress:

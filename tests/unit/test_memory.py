@@ -158,6 +158,17 @@ def test_activation_estimate_matches_hand_computation():
     assert estimate_activation_bytes(QWEN3_06B, 16384, 1, "bfloat16", 2) == 67_108_864 + 301_989_888 // 2
 
 
+def test_activation_estimate_counts_the_rows_speculation_samples():
+    """With n-gram speculation a sequence samples 1 + num_speculative_tokens rows of logits (float32 logits and
+    probabilities, 2 x rows x 151,936 x 4 bytes), never more rows than the step's tokens."""
+    vocab_row = 2 * QWEN3_06B["vocab_size"] * 4
+    resident = 67_108_864
+    assert estimate_activation_bytes(QWEN3_06B, 16384, 512, "bfloat16", 1, 3) == resident + 2048 * vocab_row
+    assert estimate_activation_bytes(QWEN3_06B, 1024, 512, "bfloat16", 1, 3) == (
+        estimate_activation_bytes(QWEN3_06B, 1024, 1024, "bfloat16", 1)  # capped at the step's 1,024 tokens
+    )
+
+
 def test_qwen3_on_h200_plan_matches_hand_computation():
     plan = qwen3_h200_plan()
     # 141e9 x 0.9 = 126,900,000,000 usable; minus weights and activations leaves the KV budget.

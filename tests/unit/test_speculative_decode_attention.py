@@ -44,11 +44,16 @@ def _reference(query, k_cache, v_cache, tables, seq_lens, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(9, 3, 64, 256), (8, 2, 128, 16), (4, 4, 64, 256), (16, 1, 64, 256)])
 @pytest.mark.parametrize("run_len", [2, 4, 6, 9])
-def test_runs_of_rows_give_each_row_its_bits_alone(dtype, heads, run_len):
+@pytest.mark.parametrize("many", [False, True])
+def test_runs_of_rows_give_each_row_its_bits_alone(dtype, heads, run_len, many):
     """(9, 3): SmolLM2's heads, runs of up to 5 rows share a tile's 16 columns, longer runs split; (8, 2) with
-    16-token blocks: tiles cross blocks; (16, 1): a row fills the columns, so runs go row by row."""
+    16-token blocks: tiles cross blocks; (16, 1): a row fills the columns, so runs go row by row. Few runs:
+    each work item is one KV head of a run; many (4 a thread): whole runs, where one tile holds several KV
+    heads' columns of several rows."""
+    num_seqs = 4 * torch.get_num_threads() + 1 if many else 3
     num_heads, num_kv_heads, head_dim, block_size = heads
-    query, k_cache, v_cache, tables, lens = _runs(5, run_len, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    query, k_cache, v_cache, tables, lens = _runs(num_seqs, run_len, num_heads, num_kv_heads, head_dim, block_size,
+                                                  dtype)  # fmt: skip
     ops = cpu_ops()
     together = ops.paged_decode(query, k_cache, v_cache, tables, lens, 0.1)
     # The same rows in an order where no two neighbours make a run: every row computed alone.

@@ -76,7 +76,19 @@ def run(scheduler, requests, model, check_step=None, max_steps=5000):
             if seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.spec_token_ids):
                 sampled[seq.seq_id] = model_tokens(model, seq, seq.spec_token_ids)
         finished += scheduler.update(out, sampled)
+        check_prefix_cache(scheduler)
     raise AssertionError(f"not finished within {max_steps} steps")
+
+
+def check_prefix_cache(scheduler):
+    """Every block a running sequence registered in the prefix cache holds that sequence's tokens: none of a
+    refused proposal's tokens (their keys and values sit in slots past num_computed_tokens) is ever hashed."""
+    bm = scheduler.block_manager
+    for seq in scheduler.running:
+        assert seq.num_computed_tokens < seq.num_tokens
+        for j in range(seq.num_hashed_blocks):
+            block = bm.blocks[seq.block_table[j]]
+            assert block.token_ids == tuple(seq.token_ids[j * bm.block_size : (j + 1) * bm.block_size])
 
 
 def looping_model(period: int, noise: int):
@@ -200,3 +212,18 @@ def test_proposals_take_only_the_budget_left_after_running_sequences_and_admissi
     first_full = plain_admitted.index(4)
     assert spec_admitted[: first_full + 1] == plain_admitted[: first_full + 1]
     assert max(sizes) == 6 and scheduler.num_accepted_tokens > 0
+
+
+def test_sampled_rows_bound_covers_every_speculated_step():
+    """CUDA graph buckets and the warm-up's logits are sized by max_num_sampled_rows: a step of max_num_seqs
+    speculated sequences samples 1 + k rows each, within the step's token budget."""
+    from types import SimpleNamespace
+
+    from nanoinfer.engine.model_runner import max_num_sampled_rows
+
+    config = SimpleNamespace(max_num_batched_tokens=16384, max_num_seqs=64, num_speculative_tokens=3)
+    assert max_num_sampled_rows(config) == 256
+    config.num_speculative_tokens = 0
+    assert max_num_sampled_rows(config) == 64
+    config.max_num_batched_tokens, config.num_speculative_tokens = 100, 16
+    assert max_num_sampled_rows(config) == 100

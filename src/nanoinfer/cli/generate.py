@@ -467,7 +467,8 @@ def stream_requests(
         if not pending:
             break
         outputs, stats = llm.step()
-        progress.on_step(stats.num_prefill_tokens, stats.num_decode_tokens, stats.num_preempted)
+        progress.on_step(stats.num_prefill_tokens, stats.num_decode_tokens, stats.num_preempted,
+                         stats.num_draft_tokens, stats.num_accepted_tokens)
         for output in outputs:
             request = pending.pop(output.request_id)
             if output.finish_reason == "error":

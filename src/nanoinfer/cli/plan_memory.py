@@ -38,6 +38,7 @@ EXIT_DOES_NOT_FIT = 3
 _FIELDS = (
     "model", "tensor_parallel_size", "dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size", "num_kvcache_blocks",
+    "num_speculative_tokens",
 )  # fmt: skip
 
 
@@ -203,7 +204,7 @@ def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks
     inputs = {
         "weights_bytes": math.ceil(weights_total / tp),  # every weight is sharded except tiny norms
         "activation_bytes": memory.estimate_activation_bytes(
-            hf_config, s["max_num_batched_tokens"], s["max_num_seqs"], dtype, tp
+            hf_config, s["max_num_batched_tokens"], s["max_num_seqs"], dtype, tp, s["num_speculative_tokens"]
         ),
         "block_bytes": memory.kv_block_bytes(hf_config, s["kvcache_block_size"], tp, s["kv_cache_dtype"]),
     }

@@ -518,31 +518,31 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
 #ifdef NANOINFER_AMX
           if (amx) {
             if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>) {
-              if (b == b_last) {
+              if (b == b_last || G > 8) {  // a lone row, or one row already fills half the tile's columns
                 attend_amx(q + (size_t)b * q_stride, k, v, rows.data(), len, G, D, Hkv, h0, h1, scale, acc.data(),
                            out + (size_t)b * Hq * D);
               } else {
                 // R rows of the run at once, as one row with R * G query heads a KV head (attend_amx); the
                 // tile's 16 columns bound R * G.
-                const int R = std::min(b_last - b + 1, std::max(1, 16 / G)), GR = R * G;
+                const int R = std::min(b_last - b + 1, 16 / G), GR = R * G;
                 run_q.resize((size_t)Hkv * GR * D);
                 run_out.resize((size_t)Hkv * GR * D);
                 run_acc.resize((size_t)Hkv * GR * D);
                 run_lens.resize((size_t)Hkv * GR);
                 for (int h = h0; h < h1; ++h)
-                  for (int r = 0; r < R; ++r)
+                  for (int i = 0; i < R; ++i)
                     for (int g = 0; g < G; ++g) {
-                      const size_t vh = (size_t)h * GR + r * G + g, qh = (size_t)h * G + g;
-                      std::memcpy(run_q.data() + vh * D, q + (size_t)(b + r) * q_stride + qh * D, D * sizeof(TQ));
-                      run_lens[vh] = lens[b + r];
+                      const size_t vh = (size_t)h * GR + i * G + g, qh = (size_t)h * G + g;
+                      std::memcpy(run_q.data() + vh * D, q + (size_t)(b + i) * q_stride + qh * D, D * sizeof(TQ));
+                      run_lens[vh] = lens[b + i];
                     }
                 attend_amx(run_q.data(), k, v, rows.data(), lens[b + R - 1], GR, D, Hkv, h0, h1, scale,
                            run_acc.data(), run_out.data(), run_lens.data());
                 for (int h = h0; h < h1; ++h)
-                  for (int r = 0; r < R; ++r)
+                  for (int i = 0; i < R; ++i)
                     for (int g = 0; g < G; ++g)
-                      std::memcpy(out + ((size_t)(b + r) * Hq + (size_t)h * G + g) * D,
-                                  run_out.data() + ((size_t)h * GR + r * G + g) * D, D * sizeof(TQ));
+                      std::memcpy(out + ((size_t)(b + i) * Hq + (size_t)h * G + g) * D,
+                                  run_out.data() + ((size_t)h * GR + i * G + g) * D, D * sizeof(TQ));
                 b += R - 1;
               }
             }

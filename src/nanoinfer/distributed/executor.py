@@ -150,7 +150,10 @@ class TensorParallelExecutor:
         self._wait_for_all("ready", "while allocating its KV cache")
 
     def warmup(self) -> None:
-        ModelRunner.warmup(self)  # the same warm-up batch, run through our execute()
+        # The same warm-up batch, run through our execute(). Not ModelRunner's extra logits pass for speculative
+        # rows: rank 0 alone would wait in the vocabulary all-gather (a known gap: with speculation on, the
+        # measured peak leaves out those rows' logits under tensor parallelism).
+        ModelRunner.warmup_batch(self)
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:

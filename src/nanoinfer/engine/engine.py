@@ -29,6 +29,8 @@ class StepStats:
     num_decode_tokens: int  # one per sequence generating its next token, plus its proposed tokens
     num_preempted: int
     seconds: float
+    num_draft_tokens: int = 0  # tokens proposed by n-gram speculation this step
+    num_accepted_tokens: int = 0  # of those, the ones the model confirmed
 
 
 class LLMEngine:
@@ -68,8 +70,13 @@ class LLMEngine:
         sampled = self.model_runner.execute(out) if not out.is_empty else {}
         num_prefill = sum(n for seq, n in out.scheduled if not _is_decode(seq, n))
         num_decode = out.num_scheduled_tokens - num_prefill
-        finished = self.scheduler.update(out, sampled)
-        return finished, StepStats(num_prefill, num_decode, out.num_preempted, time.perf_counter() - start)
+        scheduler = self.scheduler
+        drafts_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
+        finished = scheduler.update(out, sampled)
+        return finished, StepStats(
+            num_prefill, num_decode, out.num_preempted, time.perf_counter() - start,
+            scheduler.num_draft_tokens - drafts_before[0], scheduler.num_accepted_tokens - drafts_before[1],
+        )  # fmt: skip
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
@@ -84,7 +91,9 @@ def _make_runner(config: Config, num_blocks: int):
 
 
 def _is_decode(seq: Sequence, num_new: int) -> bool:
-    return num_new == 1 + len(seq.spec_token_ids) and seq.num_computed_tokens >= seq.num_prompt_tokens
+    # A speculated sequence is decoding, even when its last token is still the prompt's.
+    decoding = seq.num_computed_tokens >= seq.num_prompt_tokens or bool(seq.spec_token_ids)
+    return decoding and num_new == 1 + len(seq.spec_token_ids)
 
 
 def _make_proposer(config: Config) -> NgramProposer | None:

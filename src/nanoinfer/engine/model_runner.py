@@ -26,6 +26,13 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 TORCH_KV_CACHE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def max_num_sampled_rows(config) -> int:
+    """Most rows of logits a step can sample: one a sequence, or 1 + num_speculative_tokens for a speculated
+    one (its last token and each proposed token are decode rows of their own), never more than the step's
+    tokens. Sizes the CUDA graphs' batch buckets and the warm-up's logits."""
+    return min(config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens))
+
+
 def group_by_sequence(sample_seqs: list[Sequence], token_ids: list[int]) -> dict[int, list[int]]:
     """One sampled token a row -> seq_id -> its tokens in order (a speculated sequence has several rows)."""
     sampled: dict[int, list[int]] = {}
@@ -80,7 +87,7 @@ class ModelRunner:
         """Capture the decode graphs over the current KV cache (call again after reallocating it)."""
         self.graph_runner = CUDAGraphRunner(
             lambda input_ids, positions, metadata: self.model(input_ids, positions, self.kv_caches, metadata),
-            batch_sizes=graph_batch_sizes(self.config.max_num_seqs), max_model_len=self.config.max_model_len,
+            batch_sizes=graph_batch_sizes(max_num_sampled_rows(self.config)), max_model_len=self.config.max_model_len,
             block_size=self.block_size, hidden_size=self.config.hf_config.hidden_size, dtype=self.dtype,
             device=self.device, capturer=capturer,
         )  # fmt: skip
@@ -119,7 +126,19 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """One forward pass at max_num_batched_tokens (split over up to max_num_seqs sequences) to find the
-        activation peak. Needs a cache of at least that many tokens."""
+        activation peak, and the logits of every row a step can sample. Needs a cache of at least
+        max_num_batched_tokens tokens."""
+        num_seqs = self.warmup_batch()
+        rows = max_num_sampled_rows(self.config)
+        if rows > num_seqs:
+            # Speculation samples more rows than sequences: their logits, and the float32 copy a mixed batch's
+            # sampler makes, are part of the peak the warm-up measures.
+            hidden = torch.zeros(rows, self.config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+            self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def warmup_batch(self) -> int:
+        """The warm-up's forward pass (through self.execute); returns how many sequences it sampled."""
         from nanoinfer.engine.sequence import Request
         from nanoinfer.sampling_params import SamplingParams
 
@@ -137,6 +156,7 @@ class ModelRunner:
             next_block += num_blocks
             out.scheduled.append((seq, per_seq))
         self.execute(out)
+        return num_seqs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:

@@ -138,12 +138,12 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
 
-        # Last, proposed tokens, from what the budget has left: speculation never delays an admission.
-        if self.proposer is not None and budget > 0:
+        # Last, proposed tokens, from what the budget has left: speculation never delays an admission. Not
+        # after a preemption: the cache is short.
+        if self.proposer is not None:
             for j, (seq, num_new) in enumerate(out.scheduled):
-                if budget <= 0:
-                    break
-                if num_new == 1 and self._speculate(seq, budget):
+                seq.spec_token_ids = []  # whatever an earlier step left (an update() that never came)
+                if budget > 0 and num_new == 1 and not out.num_preempted and self._speculate(seq, budget):
                     out.scheduled[j] = (seq, 1 + len(seq.spec_token_ids))
                     budget -= len(seq.spec_token_ids)
         return out
@@ -166,8 +166,8 @@ class Scheduler:
         bm = self.block_manager
         # A proposal that needs a new block takes it only while every running sequence could still get one:
         # speculation must never be the reason a sequence is preempted.
-        needs_block = bm.num_blocks_for(seq.num_tokens + len(draft)) > len(seq.block_table)
-        if needs_block and bm.num_free_blocks < len(self.running) + 1:
+        new_blocks = bm.num_blocks_for(seq.num_tokens + len(draft)) - len(seq.block_table)
+        if new_blocks > 0 and bm.num_free_blocks - new_blocks < len(self.running):
             return False
         if not bm.allocate_slots(seq, 1 + len(draft)):
             return False
@@ -204,17 +204,20 @@ class Scheduler:
                 token_ids = token_ids[: accepted + 1]
                 num_new = 1 + accepted
                 self.num_draft_tokens += len(draft)
-                self.num_accepted_tokens += accepted
             seq.num_computed_tokens += num_new
             if token_ids is None:
                 self.block_manager.cache_full_blocks(seq)
                 continue  # a prefill chunk that did not reach the end of the sequence
             reason = None
+            num_appended = 0
             for token_id in token_ids:  # one at a time: the stop rules see each token as plain decoding would
                 seq.token_ids.append(token_id)
+                num_appended += 1
                 reason = self._stop_reason(seq, token_id)
                 if reason is not None:
                     break
+            if draft:  # proposed tokens that made it into the output (a stop can cut a kept proposal short)
+                self.num_accepted_tokens += min(num_new - 1, num_appended)
             # A stop inside a kept draft leaves tokens computed past the end: only the sequence's own count.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             self.block_manager.cache_full_blocks(seq)
@@ -245,6 +248,8 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None, error: str | None = None) -> None:
+        seq.spec_token_ids = []
+        seq.ngram_index = None  # the proposer's index is of no use once the sequence is done
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
