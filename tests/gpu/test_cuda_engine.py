@@ -111,6 +111,24 @@ def test_float32_greedy_matches_transformers_token_for_token(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_speculation_in_float32_matches_transformers_token_for_token(
+    cuda_model_dirs, cuda_llm, hf_reference, no_tf32, backend
+):
+    """n-gram speculation on CUDA: proposed tokens verified as decode rows (through the CUDA graphs up to
+    their largest bucket) give transformers' float32 greedy tokens, and proposals were kept."""
+    skip_unless_runnable(backend, "float32")
+    model_dir = cuda_model_dirs["llama"]
+    prompts = make_prompts(vocab_size(model_dir))
+    expected = hf_reference("llama", "float32", prompts, NUM_TOKENS, NUM_LOGPROBS)
+    settings = dict(ENGINE_SETTINGS, num_speculative_tokens=3)
+    with cuda_llm(model_dir, dtype="float32", attention_backend=backend, **settings) as llm:
+        outputs = generate(llm, prompts)
+        assert llm.engine.scheduler.num_accepted_tokens > 0
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        assert out.token_ids == ref.token_ids, f"{backend}: prompt {i} diverged from transformers"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(cuda_model_dirs, cuda_llm, hf_reference, family, backend):
     skip_unless_runnable(backend, "bfloat16")
