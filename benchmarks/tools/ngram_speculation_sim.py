@@ -1,10 +1,11 @@
-"""What n-gram (prompt lookup) speculative decoding would save on workload W, before anyone builds it.
+"""What n-gram (prompt lookup) speculative decoding saves on workload W, in steps and rows, without timing.
 
-Generates W greedily with nanoinfer (the outputs speculation must reproduce), then replays each sequence
-as vLLM's ngram proposer would see it: at every step, the continuation of the latest earlier match of the
-sequence's last n tokens (n from --max-n down to --min-n) is proposed, up to k tokens and up to what a
-step's row budget leaves (`--row-cap`: decode rows plus proposed tokens, the GEMM's rows a step); the
-target model accepts the proposed tokens up to the first that differs from its own greedy token, plus
+Written before speculation was built (stop 20) to decide whether to build it; it now takes its proposals
+from the engine's own NgramProposer. Generates W greedily with nanoinfer (the outputs speculation must
+reproduce), then replays each sequence as the proposer sees it: at every step, the continuation of the
+latest earlier match of the sequence's last n tokens (n from --max-n down to --min-n) is proposed, up to k
+tokens and up to what a step's row budget leaves (`--row-cap`: decode rows plus proposed tokens, the
+GEMM's rows a step); the target model accepts the proposed tokens up to the first that differs from its own greedy token, plus
 one token of its own. Prints, for each k: engine steps (every step streams all weights once), sequence-
 steps (every one reads the sequence's whole KV once), rows computed, and accepted tokens per sequence-step.
 
@@ -21,26 +22,22 @@ import argparse
 
 from nanoinfer import LLM, SamplingParams, bench
 from nanoinfer.config import DEFAULT_MODEL
+from nanoinfer.engine.ngram_proposer import NgramProposer
 from nanoinfer.model_source import resolve_model
 
 
-def propose(tokens: list[int], max_n: int, min_n: int, k: int) -> list[int]:
-    """The tokens after the latest earlier occurrence of the sequence's last n tokens, longest n first."""
-    if k <= 0:
-        return []
-    for n in range(max_n, min_n - 1, -1):
-        if len(tokens) <= n:
-            continue
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + k]
-    return []
+class _Tokens:
+    """What NgramProposer reads of a sequence: its token ids and its n-gram index."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self.ngram_index = None
 
 
 def replay(prompts: list[list[int]], outputs: list[list[int]], k: int, max_n: int, min_n: int, row_cap: int) -> dict:
     """Steps, sequence-steps and rows of continuous batching with up to k proposed tokens a sequence."""
-    seqs = [{"tokens": list(p), "out": o, "done": 0} for p, o in zip(prompts, outputs)]
+    seqs = [{"tokens": _Tokens(list(p)), "out": o, "done": 0} for p, o in zip(prompts, outputs)]
+    proposer = NgramProposer(k, min_n, max_n)
     steps = seq_steps = rows = 0
     while True:
         active = [s for s in seqs if s["done"] < len(s["out"])]
@@ -49,13 +46,13 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], k: int, max_n: in
         budget = row_cap - len(active)
         for s in active:
             remaining = len(s["out"]) - s["done"] - 1  # never propose past the requested length
-            draft = propose(s["tokens"], max_n, min_n, min(k, remaining, max(budget, 0)))
+            draft = proposer.propose(s["tokens"], min(remaining, max(budget, 0))) if k else []
             budget -= len(draft)
             accepted = 0
             while accepted < len(draft) and draft[accepted] == s["out"][s["done"] + accepted]:
                 accepted += 1
             new = s["out"][s["done"] : s["done"] + accepted + 1]
-            s["tokens"] += new
+            s["tokens"].token_ids += new
             s["done"] += len(new)
             rows += 1 + len(draft)
         steps += 1
