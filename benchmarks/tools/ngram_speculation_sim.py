@@ -6,8 +6,9 @@ reproduce), then replays each sequence as the proposer sees it: at every step, t
 latest earlier match of the sequence's last n tokens (n from --max-n down to --min-n) is proposed, up to k
 tokens and up to what a step's row budget leaves (`--row-cap`: decode rows plus proposed tokens, the
 GEMM's rows a step); the target model accepts the proposed tokens up to the first that differs from its
-own greedy token, plus one token of its own. Prints, for each k: engine steps (every step streams all weights once), sequence-
-steps (every one reads the sequence's whole KV once), rows computed, and accepted tokens per sequence-step.
+own greedy token, plus one token of its own. Prints, for each k: engine steps (every step streams all
+weights once), sequence-steps (every one reads the sequence's whole KV once), rows computed, and accepted
+tokens per sequence-step.
 
     python benchmarks/tools/ngram_speculation_sim.py --dtype bfloat16
 
