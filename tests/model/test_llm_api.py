@@ -78,3 +78,30 @@ def test_chat_uses_the_template_and_logprobs_are_returned(llm):
 def test_out_of_vocabulary_token_ids_are_rejected(llm):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         llm.generate([[1, 2, 10**9]])
+
+
+def test_speculation_keeps_texts_stops_and_sampled_requests_as_without(tiny_model_dirs, llm):
+    """num_speculative_tokens on a mixed batch: greedy requests with stop strings and stop ids end where plain
+    decoding ends them, a sampled request (never speculated) draws the same seeded tokens, a logprobs request
+    gets the same log-probabilities."""
+    speculating = LLM(str(tiny_model_dirs["qwen3"]), max_model_len=256, cpu_kvcache_space_gib=0.25,
+                      num_speculative_tokens=3)  # fmt: skip
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    stop_text = free.text[len(free.text) // 2 :][:3]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[free.token_ids[20]]),
+        SamplingParams(temperature=0.9, max_tokens=30, seed=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+    ]
+    prompts = [PROMPTS[0]] * 3 + PROMPTS[1:]
+    plain = llm.generate(prompts, params)
+    speculated = speculating.generate(prompts, params)
+    for a, b in zip(plain, speculated):
+        assert (a.token_ids, a.text, a.finish_reason, a.outputs[0].stop_reason) == (
+            b.token_ids, b.text, b.finish_reason, b.outputs[0].stop_reason
+        )
+    assert plain[4].outputs[0].logprobs == speculated[4].outputs[0].logprobs
+    assert speculated[1].finish_reason == "stop" and speculated[2].finish_reason == "stop"
+    assert speculating.engine.scheduler.num_accepted_tokens > 0
