@@ -11,7 +11,7 @@ from pathlib import Path
 from nanoinfer.config import Config
 from nanoinfer.engine.engine import LLMEngine, StepStats
 from nanoinfer.engine.sequence import Request, Sequence
-from nanoinfer.errors import RequestError
+from nanoinfer.errors import ConfigError, ConfigProblem, RequestError
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.tokenizer import load_tokenizer
@@ -23,13 +23,17 @@ class LLM:
     Args:
         model: local Hugging Face folder, the built-in default `smollm2-135m-instruct` (when None), or a hub id.
         config: a ready Config (then keyword settings are not allowed).
-        **settings: Config fields (max_model_len=..., max_num_seqs=..., dtype=..., ...).
+        **settings: Config fields (max_model_len=..., max_num_seqs=..., dtype=..., ...). vLLM's
+            `speculative_config={"method": "ngram", "num_speculative_tokens": 3, ...}` is taken too, as the
+            fields num_speculative_tokens / prompt_lookup_min / prompt_lookup_max.
     """
 
     def __init__(self, model: str | None = None, *, config: Config | None = None, **settings):
         if config is None:
             if model is not None:
                 settings["model"] = model
+            if "speculative_config" in settings:
+                settings = _with_speculative_config(settings)
             config = Config(**settings)
         self.config = config
         self.tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
@@ -183,3 +187,35 @@ def _broadcast_params(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise RequestError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt.")
     return params
+
+
+_SPECULATIVE_FIELDS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def _with_speculative_config(settings: dict) -> dict:
+    """vLLM's `speculative_config` dict (method "ngram") -> Config's flat speculation fields."""
+    settings = dict(settings)
+    spec = settings.pop("speculative_config")
+    if spec is None:
+        return settings
+
+    def problem(message: str) -> ConfigError:
+        return ConfigError([ConfigProblem("speculative_config", spec, message)])
+
+    if not isinstance(spec, dict):
+        raise problem('must be a dict, as in vLLM: {"method": "ngram", "num_speculative_tokens": 3}.')
+    method = spec.get("method", "ngram")
+    if method != "ngram":
+        raise problem(f"method {method!r} is not supported: nanoinfer speculates with n-grams of the sequence "
+                      '(vLLM\'s "ngram", prompt lookup). Use "method": "ngram", or leave speculative_config out.')
+    unknown = sorted(set(spec) - {"method", *_SPECULATIVE_FIELDS})
+    if unknown:
+        raise problem(f"has keys nanoinfer does not know ({', '.join(unknown)}); it takes method, "
+                      f"{', '.join(_SPECULATIVE_FIELDS)}. Remove the others.")
+    if "num_speculative_tokens" not in spec:
+        raise problem('needs "num_speculative_tokens" (how many tokens to propose a step, e.g. 3).')
+    twice = sorted(name for name in _SPECULATIVE_FIELDS if name in spec and name in settings)
+    if twice:
+        raise problem(f"and the keyword {twice[0]} both set {twice[0]}: give it once.")
+    settings.update({name: spec[name] for name in _SPECULATIVE_FIELDS if name in spec})
+    return settings

@@ -105,3 +105,25 @@ def test_speculation_keeps_texts_stops_and_sampled_requests_as_without(tiny_mode
     assert plain[4].outputs[0].logprobs == speculated[4].outputs[0].logprobs
     assert speculated[1].finish_reason == "stop" and speculated[2].finish_reason == "stop"
     assert speculating.engine.scheduler.num_accepted_tokens > 0
+
+
+def test_vllm_speculative_config_sets_the_speculation_fields_or_says_what_is_wrong(tiny_model_dirs):
+    from nanoinfer.errors import ConfigError
+
+    model = str(tiny_model_dirs["qwen3"])
+    llm = LLM(model, max_model_len=256, cpu_kvcache_space_gib=0.25,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})  # fmt: skip
+    assert (llm.config.num_speculative_tokens, llm.config.prompt_lookup_min, llm.config.prompt_lookup_max) == (2, 1, 4)
+    bad = [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+        ({"method": "ngram"}, "needs \"num_speculative_tokens\""),
+        ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
+        ([("method", "ngram")], "must be a dict"),
+    ]
+    for spec, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            LLM(model, speculative_config=spec)
+    with pytest.raises(ConfigError, match="give it once"):
+        LLM(model, num_speculative_tokens=3, speculative_config={"num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):  # Config's own range check still applies
+        LLM(model, speculative_config={"num_speculative_tokens": 40})
