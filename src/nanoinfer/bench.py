@@ -195,22 +195,21 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunR
     outputs, ttft = [], None
     seconds = {"prefill": 0.0, "decode": 0.0}
     steps = {"prefill": 0, "decode": 0}
-    num_preempted = 0
+    num_preempted = num_draft = num_accepted = 0
     scheduler = llm.engine.scheduler
-    drafts_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)  # the warm-up's left out
     while llm.has_unfinished_requests():
         finished, stats = llm.step()
         kind = "prefill" if stats.num_prefill_tokens else "decode"
         seconds[kind] += stats.seconds
         steps[kind] += 1
         num_preempted += stats.num_preempted
+        num_draft += stats.num_draft_tokens
+        num_accepted += stats.num_accepted_tokens
         outputs += finished
         if ttft is None and (finished or any(seq.num_output_tokens for seq in scheduler.running)):
             ttft = time.perf_counter() - start
     _sync(device)
     wall = time.perf_counter() - start
-    num_draft = scheduler.num_draft_tokens - drafts_before[0]
-    num_accepted = scheduler.num_accepted_tokens - drafts_before[1]
     peak_rss, peak_cuda = peak_memory(device)
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     llm.engine.close()  # tensor-parallel workers, if any

@@ -439,6 +439,13 @@ def estimate_weights_bytes(hf_config, dtype: torch.dtype | str) -> int:
     return params * dtype_bytes(dtype)
 
 
+def max_sampled_rows(max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
+    """Most rows of logits a step can sample: one a sequence, or 1 + num_speculative_tokens for a speculated
+    one (its last token and each proposed token are decode rows of their own), never more than the step's
+    tokens."""
+    return min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
+
+
 def estimate_activation_bytes(
     hf_config, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype | str, tp: int,
     num_speculative_tokens: int = 0,
@@ -462,6 +469,5 @@ def estimate_activation_bytes(
     resident = 2 * tokens * _get(hf_config, "hidden_size") * size
     attention = tokens * (2 * heads + 2 * kv_heads) * head_dim(hf_config) * size
     mlp = tokens * 3 * (_get(hf_config, "intermediate_size") // tp) * size
-    rows = min(tokens, max_num_seqs * (1 + num_speculative_tokens))
-    sampling = 2 * rows * _get(hf_config, "vocab_size") * 4
+    sampling = 2 * max_sampled_rows(tokens, max_num_seqs, num_speculative_tokens) * _get(hf_config, "vocab_size") * 4
     return resident + max(attention, mlp, sampling)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoinfer import memory
 from nanoinfer.attention.backend import get_backend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.cpu_ops import cpu_ops
@@ -27,10 +28,8 @@ TORCH_KV_CACHE_DTYPES = {**TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e
 
 
 def max_num_sampled_rows(config) -> int:
-    """Most rows of logits a step can sample: one a sequence, or 1 + num_speculative_tokens for a speculated
-    one (its last token and each proposed token are decode rows of their own), never more than the step's
-    tokens. Sizes the CUDA graphs' batch buckets and the warm-up's logits."""
-    return min(config.max_num_batched_tokens, config.max_num_seqs * (1 + config.num_speculative_tokens))
+    """memory.max_sampled_rows for a Config: sizes the CUDA graphs' batch buckets and the warm-up's logits."""
+    return memory.max_sampled_rows(config.max_num_batched_tokens, config.max_num_seqs, config.num_speculative_tokens)
 
 
 def group_by_sequence(sample_seqs: list[Sequence], token_ids: list[int]) -> dict[int, list[int]]:
