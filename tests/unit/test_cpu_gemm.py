@@ -143,6 +143,39 @@ def test_gated_linear_is_the_same_on_any_thread_count_and_refuses_a_bias():
         cpu_ops().packed_linear(x, packed.data, None, 600, gated=True)
 
 
+@pytest.mark.parametrize("what", ["linear", "gated", "bfloat16"])
+def test_many_rows_split_by_rows_across_threads_give_the_bits_of_few_rows(what):
+    """From 2 chunks of 120 rows a thread, the panel GEMM splits rows instead of panels among its threads
+    (csrc/gemm.cpp): every row's sums must stay what a small call gives, on any thread count."""
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    gen = torch.Generator().manual_seed(7)
+    dtype = torch.bfloat16 if what == "bfloat16" else torch.float32
+    weight = torch.randn(2 * 72 if what == "gated" else 70, 40, generator=gen).to(dtype)
+    x = torch.randn(1003, 40, generator=gen).to(dtype)  # chunks shrink to the tail's last odd rows
+    bias = None if what == "gated" else torch.randn(weight.shape[0], generator=gen).to(dtype)
+    packed = pack_weight(weight, "gated" if what == "gated" else "panels")
+
+    def run(rows):
+        return gated_linear(rows, packed) if what == "gated" else linear(rows, weight, bias, packed)
+
+    small = torch.cat([run(x[i : i + 100]) for i in range(0, len(x), 100)])  # under the threshold: panel split
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(run(x), small), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+    xf, wf = x.float(), weight.float()
+    if what == "gated":
+        reference = F.silu(xf @ wf[:72].t()) * (xf @ wf[72:].t())
+    else:
+        reference = F.linear(xf, wf, bias.float())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bfloat16: the output's rounding
+    torch.testing.assert_close(small.float(), reference, rtol=tol, atol=tol)
+
+
 def test_gated_linear_runs_bfloat16_with_float32_sums():
     if cpu_ops() is None:
         pytest.skip("no C++ compiler here")
