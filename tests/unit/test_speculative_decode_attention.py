@@ -1,7 +1,7 @@
 """Decode attention over runs of rows (csrc/paged_attention.cpp): speculative decoding lays out a sequence's
 last token and its proposed tokens as consecutive decode rows of one block table with lengths n, n + 1, ...
-The kernel computes such a run in one work item (on AMX, as one row with more query heads a KV head); each
-row must come out bit for bit as it does alone, and match float64 attention."""
+The kernel computes such a run in one work item (on AMX, and on AVX-512 with float32 queries, as one row with
+more query heads a KV head); each row must come out bit for bit as it does alone, and match float64 attention."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from nanoinfer.cpu_ops import cpu_ops
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels are not built")
 
 
-def _runs(num_seqs: int, run_len: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype):
+def _runs(num_seqs: int, run_len: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype,
+          cache_dtype=None):
     gen = torch.Generator().manual_seed(run_len * 100 + num_heads)
     blocks_per_seq = -(-(300 + run_len) // block_size)
     num_blocks = num_seqs * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    cache_dtype = cache_dtype or dtype
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(num_seqs, blocks_per_seq)
     seqs, lens = [], []
     for s in range(num_seqs):
@@ -41,19 +43,22 @@ def _reference(query, k_cache, v_cache, tables, seq_lens, scale):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, cache_dtype", [
+    (torch.float32, None), (torch.bfloat16, None),
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn),  # kv_cache_dtype under float32
+])  # fmt: skip
 @pytest.mark.parametrize("heads", [(9, 3, 64, 256), (8, 2, 128, 16), (4, 4, 64, 256), (16, 1, 64, 256)])
 @pytest.mark.parametrize("run_len", [2, 4, 6, 9])
 @pytest.mark.parametrize("many", [False, True])
-def test_runs_of_rows_give_each_row_its_bits_alone(dtype, heads, run_len, many):
-    """(9, 3): SmolLM2's heads, runs of up to 5 rows share a tile's 16 columns, longer runs split; (8, 2) with
-    16-token blocks: tiles cross blocks; (16, 1): a row fills the columns, so runs go row by row. Few runs:
-    each work item is one KV head of a run; many (4 a thread): whole runs, where one tile holds several KV
-    heads' columns of several rows."""
+def test_runs_of_rows_give_each_row_its_bits_alone(dtype, cache_dtype, heads, run_len, many):
+    """(9, 3): SmolLM2's heads, on AMX runs of up to 5 rows share a tile's 16 columns, longer runs split (on
+    AVX-512, float32 queries: runs of up to 8 rows); (8, 2) with 16-token blocks: tiles cross blocks; (16, 1):
+    a row fills the AMX tile's columns, so runs go row by row there. Few runs: each work item is one KV head
+    of a run; many (4 a thread): whole runs, where one tile holds several KV heads' columns of several rows."""
     num_seqs = 4 * torch.get_num_threads() + 1 if many else 3
     num_heads, num_kv_heads, head_dim, block_size = heads
     query, k_cache, v_cache, tables, lens = _runs(num_seqs, run_len, num_heads, num_kv_heads, head_dim, block_size,
-                                                  dtype)  # fmt: skip
+                                                  dtype, cache_dtype)  # fmt: skip
     ops = cpu_ops()
     together = ops.paged_decode(query, k_cache, v_cache, tables, lens, 0.1)
     # The same rows in an order where no two neighbours make a run: every row computed alone.
@@ -62,5 +67,5 @@ def test_runs_of_rows_give_each_row_its_bits_alone(dtype, heads, run_len, many):
     alone[order] = ops.paged_decode(query[order], k_cache, v_cache, tables[order], lens[order], 0.1)
     assert torch.equal(together, alone)
     expected = _reference(query, k_cache, v_cache, tables, lens, 0.1)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 outputs: 8 mantissa bits
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 outputs: 8 mantissa bits (caches widen exactly)
     torch.testing.assert_close(together.double(), expected, atol=tolerance, rtol=tolerance)
