@@ -460,6 +460,15 @@ static void attend_scalar(const float* qf, const T* k, const T* v, const size_t*
 // Rows of a run that attend_avx512 takes as one row (their query heads are its rows' heads side by side).
 constexpr int kMaxRunRows = 8;
 
+// R rows of a run as one row with R * G query heads a KV head: f(vh, i, qh) for each of KV heads [h0, h1)'s
+// query heads, where query head vh of the one row is query head qh of the run's row i.
+template <typename F>
+inline void for_run_heads(int h0, int h1, int R, int G, F&& f) {
+  for (int h = h0; h < h1; ++h)
+    for (int i = 0; i < R; ++i)
+      for (int g = 0; g < G; ++g) f((size_t)h * R * G + i * G + g, i, (size_t)h * G + g);
+}
+
 // TQ: the queries' and output's type (the model's dtype); TC: the cache's (kv_cache_dtype), e.g. a float32
 // model over a bfloat16 cache, which halves the bytes this kernel reads.
 template <typename TQ, typename TC>
@@ -553,20 +562,15 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
                 run_out.resize((size_t)Hkv * GR * D);
                 run_acc.resize((size_t)Hkv * GR * D);
                 run_lens.resize((size_t)Hkv * GR);
-                for (int h = h0; h < h1; ++h)
-                  for (int i = 0; i < R; ++i)
-                    for (int g = 0; g < G; ++g) {
-                      const size_t vh = (size_t)h * GR + i * G + g, qh = (size_t)h * G + g;
-                      std::memcpy(run_q.data() + vh * D, q + (size_t)(b + i) * q_stride + qh * D, D * sizeof(TQ));
-                      run_lens[vh] = lens[b + i];
-                    }
+                for_run_heads(h0, h1, R, G, [&](size_t vh, int i, size_t qh) {
+                  std::memcpy(run_q.data() + vh * D, q + (size_t)(b + i) * q_stride + qh * D, D * sizeof(TQ));
+                  run_lens[vh] = lens[b + i];
+                });
                 attend_amx(run_q.data(), k, v, rows.data(), lens[b + R - 1], GR, D, Hkv, h0, h1, scale,
                            run_acc.data(), run_out.data(), run_lens.data());
-                for (int h = h0; h < h1; ++h)
-                  for (int i = 0; i < R; ++i)
-                    for (int g = 0; g < G; ++g)
-                      std::memcpy(out + ((size_t)(b + i) * Hq + (size_t)h * G + g) * D,
-                                  run_out.data() + ((size_t)h * GR + i * G + g) * D, D * sizeof(TQ));
+                for_run_heads(h0, h1, R, G, [&](size_t vh, int i, size_t qh) {
+                  std::memcpy(out + ((size_t)(b + i) * Hq + qh) * D, run_out.data() + vh * D, D * sizeof(TQ));
+                });
                 b += R - 1;
               }
             }
@@ -584,23 +588,17 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
             run_accf.resize((size_t)Hkv * GR * D);
             run_lens512.resize((size_t)Hkv * GR);
             scores.resize((size_t)Hkv * GR * run_len);
-            for (int h = h0; h < h1; ++h)
-              for (int i = 0; i < R; ++i)
-                for (int g = 0; g < G; ++g) {
-                  const size_t vh = (size_t)h * GR + i * G + g, qh = (size_t)h * G + g;
-                  const TQ* src = q + (size_t)(b + i) * q_stride + qh * D;
-                  for (int d = 0; d < D; ++d) run_qf[vh * D + d] = to_f(src[d]) * scale;
-                  run_lens512[vh] = lens[b + i];
-                }
+            for_run_heads(h0, h1, R, G, [&](size_t vh, int i, size_t qh) {
+              const TQ* src = q + (size_t)(b + i) * q_stride + qh * D;
+              for (int d = 0; d < D; ++d) run_qf[vh * D + d] = to_f(src[d]) * scale;
+              run_lens512[vh] = lens[b + i];
+            });
             attend_avx512(run_qf.data(), k, v, rows.data(), run_len, GR, D, h0, h1, scores.data(), run_accf.data(),
                           nullptr, 1.f, run_lens512.data());
-            for (int h = h0; h < h1; ++h)
-              for (int i = 0; i < R; ++i)
-                for (int g = 0; g < G; ++g) {
-                  const float* src = run_accf.data() + ((size_t)h * GR + i * G + g) * D;
-                  TQ* dst = out + ((size_t)(b + i) * Hq + (size_t)h * G + g) * D;
-                  for (int d = 0; d < D; ++d) dst[d] = static_cast<TQ>(src[d]);
-                }
+            for_run_heads(h0, h1, R, G, [&](size_t vh, int i, size_t qh) {
+              TQ* dst = out + ((size_t)(b + i) * Hq + qh) * D;
+              for (int d = 0; d < D; ++d) dst[d] = static_cast<TQ>(run_accf[vh * D + d]);
+            });
             b += R - 1;
             continue;
           }
