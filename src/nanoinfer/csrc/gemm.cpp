@@ -318,6 +318,20 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
   // fresh allocation would be page-faulted in every time).
   static thread_local std::vector<float> buffer;
   const int threads = at::get_num_threads();
+  // Panels [p, p + n) (n <= NP: one register tile spans them) over `rows` packed rows of x (`a`, rows m0..),
+  // prefetching `next_panels` panels from panel `next` (-1: none).
+  auto run_panels = [&](int64_t p, int n, int64_t next, int next_panels, const float* a, int64_t m0, int64_t rows) {
+    int ncols[NP];
+    for (int j = 0; j < n; ++j) ncols[j] = (int)std::min<int64_t>(COLS, N - (p + j) * COLS);
+    const T* bp = b + p * K * NR;
+    T* cp = c + m0 * N + p * COLS;
+    const float* biasp = bias ? bias + p * NR : nullptr;
+    const T* nextp = next >= 0 ? b + next * K * NR : nullptr;
+    if (NP == 2 && n == 2)
+      panel<NP, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels);
+    else
+      panel<1, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels);
+  };
   if (M >= ROW_SPLIT_CHUNKS * MC * threads) {
     // Many rows (a prefill): each thread claims chunks of rows and runs every panel over its own chunk,
     // packed into its own buffer, with no barrier at all. Sharing each chunk's panels cost two barriers a
@@ -343,16 +357,7 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
         for (int64_t p = 0; p < P;) {
           const int n = (int)std::min<int64_t>(NP, P - p);
           const int64_t next = p + n < P ? p + n : 0;  // the next chunk starts again from panel 0
-          int ncols[NP];
-          for (int j = 0; j < n; ++j) ncols[j] = (int)std::min<int64_t>(COLS, N - (p + j) * COLS);
-          const float* biasp = bias ? bias + p * NR : nullptr;
-          const int next_panels = (int)std::min<int64_t>(NP, P - next);
-          if (NP == 2 && n == 2)
-            panel<NP, GATED>(a, b + p * K * NR, K, c + m0 * N + p * COLS, N, ncols, rows, biasp, b + next * K * NR,
-                             next_panels);
-          else
-            panel<1, GATED>(a, b + p * K * NR, K, c + m0 * N + p * COLS, N, ncols, rows, biasp, b + next * K * NR,
-                            next_panels);
+          run_panels(p, n, next, (int)std::min<int64_t>(NP, P - next), a, m0, rows);
           p += n;
         }
       }
@@ -381,7 +386,7 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
       } while (!cursor.compare_exchange_weak(start, start + len, std::memory_order_relaxed));
       return start - first;
     };
-    // Within a run, panels go NP at a time (one register tile spans them), the last one alone if left over.
+    // Within a run, panels go NP at a time, the last one alone if left over.
     int64_t len = 0, p0 = claim(len);
     while (p0 >= 0) {
       int64_t next_len = 0, next_p0 = -1;
@@ -389,17 +394,7 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
         const int n = (int)std::min<int64_t>(NP, p0 + len - p);
         int64_t next = p + n, next_end = p0 + len;
         if (next == p0 + len) next = next_p0 = claim(next_len), next_end = next + next_len;
-        const int next_panels = next >= 0 ? (int)std::min<int64_t>(NP, next_end - next) : 0;
-        int ncols[NP];
-        for (int j = 0; j < n; ++j) ncols[j] = (int)std::min<int64_t>(COLS, N - (p + j) * COLS);
-        const T* bp = b + p * K * NR;
-        T* cp = c + m0 * N + p * COLS;
-        const float* biasp = bias ? bias + p * NR : nullptr;
-        const T* nextp = next >= 0 ? b + next * K * NR : nullptr;
-        if (NP == 2 && n == 2)
-          panel<NP, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels);
-        else
-          panel<1, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels);
+        run_panels(p, n, next, next >= 0 ? (int)std::min<int64_t>(NP, next_end - next) : 0, a, m0, rows);
         p += n;
       }
       p0 = next_p0, len = next_len;
