@@ -8,7 +8,8 @@
 // The algorithm is flash attention's (tiles of queries against tiles of keys, a running max and sum per row,
 // so the score matrix is never materialised), shaped for GQA: the G query heads that share a KV head are
 // the rows of one work item, so every key tile packed is used by G x kQueryTile rows. Both products (scores =
-// Q K^T and out += P V) run through one 6 x 16 register tile, the GEMM's (csrc/gemm.cpp).
+// Q K^T and out += P V) run through one register tile, the GEMM's (csrc/gemm.cpp): 6 x 16 on AVX2, 12 x 32 on
+// AVX-512 (two 16-key groups, or 32 value dims, at once), each lane summing in the same order, so the same bits.
 //
 // bfloat16 queries over a bfloat16 cache on a CPU with AMX take attend_amx instead: the same algorithm with
 // both products on tiles (W's prefill attention, standalone, 30 layers: 737 -> 404 ms).
@@ -25,9 +26,66 @@ namespace {
 constexpr int kQueryTile = 16;  // query positions per work item (x G heads = its rows)
 constexpr int kKeyTile = 64;    // keys per step; divides every block_size (a multiple of 256), so a key tile
                                 // is kKeyTile consecutive rows of one cache block
-constexpr int NR = 16;          // columns of the register tile
-constexpr int MR = 6;           // rows of the register tile
+constexpr int NR = 16;          // columns of a register tile's block (a group of keys, or of value dims)
+#ifdef NANOINFER_AVX512
+constexpr int MR = 12;          // rows of the register tile
+constexpr int NB = 2;           // blocks of NR columns it spans
+#else
+constexpr int MR = 6;
+constexpr int NB = 1;
+#endif
 
+#if defined(NANOINFER_AVX512)
+// c[R x 16 W] (+)= a[R x kdim] * [b0 | b1][kdim x 16 W] (W = 1 or 2 blocks); a row-major (lda), row k of block
+// j is 16 values at bj + k * ldb (widened from the cache's type). Twice the AVX2 tile's rows and columns per
+// broadcast; named accumulators, as in gemm.cpp.
+template <int R, int W, bool ACC, typename TB>
+inline void tile(const float* __restrict a, int64_t lda, const TB* __restrict b0, const TB* __restrict b1,
+                 int64_t ldb, int kdim, float* __restrict c, int64_t ldc) {
+  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0;
+  __m512 c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
+  __m512 c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0;
+  __m512 c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0, c11_1 = c0_0;
+  for (int k = 0; k < kdim; ++k) {
+    const __m512 w0 = load16(b0 + k * ldb);
+    const __m512 w1 = W == 2 ? load16(b1 + k * ldb) : w0;
+#define NANOINFER_ROW(r)                                                  \
+  if constexpr (R > r) {                                                  \
+    const __m512 av = _mm512_set1_ps(a[r * lda + k]);                     \
+    c##r##_0 = _mm512_fmadd_ps(av, w0, c##r##_0);                         \
+    if constexpr (W == 2) c##r##_1 = _mm512_fmadd_ps(av, w1, c##r##_1);   \
+  }
+    NANOINFER_ROW(0) NANOINFER_ROW(1) NANOINFER_ROW(2) NANOINFER_ROW(3) NANOINFER_ROW(4) NANOINFER_ROW(5)
+    NANOINFER_ROW(6) NANOINFER_ROW(7) NANOINFER_ROW(8) NANOINFER_ROW(9) NANOINFER_ROW(10) NANOINFER_ROW(11)
+#undef NANOINFER_ROW
+  }
+  const __m512 acc[MR][2] = {{c0_0, c0_1}, {c1_0, c1_1}, {c2_0, c2_1}, {c3_0, c3_1},   {c4_0, c4_1},   {c5_0, c5_1},
+                             {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1}};
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) {
+      float* out = c + r * ldc + j * NR;
+      _mm512_storeu_ps(out, ACC ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][j]) : acc[r][j]);
+    }
+}
+
+// R (at most MR) rows x 16 w (w blocks, at most NB) of c: tile<R, w> for a run-time R and w.
+template <bool ACC, typename TB>
+void tile_rows(int R, int w, const float* a, int64_t lda, const TB* b0, const TB* b1, int64_t ldb, int kdim,
+               float* c, int64_t ldc) {
+#define NANOINFER_CASE(r)                                                          \
+  case r:                                                                          \
+    if (w == 2) tile<r, 2, ACC>(a, lda, b0, b1, ldb, kdim, c, ldc);                \
+    else tile<r, 1, ACC>(a, lda, b0, b1, ldb, kdim, c, ldc);                       \
+    break;
+  switch (R) {
+    NANOINFER_CASE(12) NANOINFER_CASE(11) NANOINFER_CASE(10) NANOINFER_CASE(9) NANOINFER_CASE(8)
+    NANOINFER_CASE(7) NANOINFER_CASE(6) NANOINFER_CASE(5) NANOINFER_CASE(4) NANOINFER_CASE(3)
+    NANOINFER_CASE(2) NANOINFER_CASE(1)
+    default: break;
+  }
+#undef NANOINFER_CASE
+}
+#else
 #ifdef NANOINFER_AVX2
 // c[R x 16] (+)= a[R x kdim] * b[kdim x 16]; a row-major (lda), b's row k is 16 values at b + k * ldb (widened
 // from the cache's type). Named accumulators: with an array GCC spills them (see gemm.cpp).
@@ -72,9 +130,11 @@ inline void tile(const float* a, int64_t lda, const TB* b, int64_t ldb, int kdim
 }
 #endif
 
-// R (at most MR) rows x 16 of c: tile<R> for a run-time R.
+// R (at most MR) rows x 16 of c: tile<R> for a run-time R (one block: b1 and w are for the AVX-512 tile's
+// second block, which this one does not have).
 template <bool ACC, typename TB>
-void tile_rows(int R, const float* a, int64_t lda, const TB* b, int64_t ldb, int kdim, float* c, int64_t ldc) {
+void tile_rows(int R, int /*w*/, const float* a, int64_t lda, const TB* b, const TB* /*b1*/, int64_t ldb, int kdim,
+               float* c, int64_t ldc) {
   switch (R) {
     case 6: tile<6, ACC>(a, lda, b, ldb, kdim, c, ldc); break;
     case 5: tile<5, ACC>(a, lda, b, ldb, kdim, c, ldc); break;
@@ -85,6 +145,7 @@ void tile_rows(int R, const float* a, int64_t lda, const TB* b, int64_t ldb, int
     default: break;
   }
 }
+#endif  // NANOINFER_AVX512
 
 // exp(s - m) in place for n values, zero from n to `padded`; returns their sum.
 inline float exp_shifted(float* s, int n, int padded, float m) {
@@ -196,9 +257,12 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
       const int seen = std::min(n, pos(r0 + R - 1) + 1 - k0);  // keys of this tile the tile's rows can see
       if (seen <= 0) continue;
       const int groups = (seen + NR - 1) / NR;
-      for (int g = 0; g < groups; ++g)
-        tile_rows<false>(R, Q + (size_t)r0 * D, D, kt + ((size_t)k0 / NR + g) * D * NR, NR, D,
+      for (int g = 0; g < groups; g += NB) {
+        const int w = std::min(NB, groups - g);
+        const float* kg = kt + ((size_t)k0 / NR + g) * D * NR;
+        tile_rows<false>(R, w, Q + (size_t)r0 * D, D, kg, kg + (size_t)D * NR, NR, D,
                          S + (size_t)r0 * kKeyTile + g * NR, kKeyTile);
+      }
       // Online softmax; a row's keys past its own position get probability 0.
       for (int r = r0; r < r0 + R; ++r) {
         float* sr = S + (size_t)r * kKeyTile;
@@ -214,8 +278,11 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
         if (alpha != 1.f)
           for (int d = 0; d < D; ++d) O[(size_t)r * D + d] *= alpha;
       }
-      for (int d0 = 0; d0 < D; d0 += NR)
-        tile_rows<true>(R, S + (size_t)r0 * kKeyTile, kKeyTile, vbase + d0, kv_stride, seen, O + (size_t)r0 * D + d0, D);
+      for (int d0 = 0; d0 < D; d0 += NB * NR) {
+        const int w = std::min(NB, (D - d0) / NR);
+        tile_rows<true>(R, w, S + (size_t)r0 * kKeyTile, kKeyTile, vbase + d0, vbase + d0 + NR, kv_stride, seen,
+                        O + (size_t)r0 * D + d0, D);
+      }
     }
   }
   for (int r = 0; r < rows; ++r) {
