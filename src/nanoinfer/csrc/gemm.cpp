@@ -68,31 +68,18 @@ template <int R, int NPT, bool GATED, typename W, typename O>
 inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
                  const int* ncols, const float* __restrict bias, Prefetch pf) {
   const W* __restrict b1 = b + K * NR;
-  // Named accumulators, not an array: with an array GCC keeps them on the stack.
-  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0;
-  __m512 c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
-  __m512 c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0;
-  __m512 c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0, c11_1 = c0_0;
   const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
   uint64_t pf_pos = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
-    pf_pos += pf.step;
-    const __m512 w0 = load16(b + k * NR);
-    const __m512 w1 = NPT == 2 ? load16(b1 + k * NR) : w0;
-    const float* ak = a + k * R;
-#define NANOINFER_ROW(r)                                                            \
-  if constexpr (R > r) {                                                            \
-    const __m512 av = _mm512_set1_ps(ak[r]);                                        \
-    c##r##_0 = _mm512_fmadd_ps(av, w0, c##r##_0);                                   \
-    if constexpr (NPT == 2) c##r##_1 = _mm512_fmadd_ps(av, w1, c##r##_1);           \
-  }
-    NANOINFER_ROW(0) NANOINFER_ROW(1) NANOINFER_ROW(2) NANOINFER_ROW(3) NANOINFER_ROW(4) NANOINFER_ROW(5)
-    NANOINFER_ROW(6) NANOINFER_ROW(7) NANOINFER_ROW(8) NANOINFER_ROW(9) NANOINFER_ROW(10) NANOINFER_ROW(11)
-#undef NANOINFER_ROW
-  }
-  const __m512 acc[MR][2] = {{c0_0, c0_1}, {c1_0, c1_1}, {c2_0, c2_1}, {c3_0, c3_1},   {c4_0, c4_1},   {c5_0, c5_1},
-                             {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1}};
+  __m512 acc[MR][2];
+  fma_tile_12x2<R, NPT>(
+      K,
+      [&](int64_t) {
+        _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
+        pf_pos += pf.step;
+      },
+      [&](int r, int64_t k) { return a[k * R + r]; },
+      [&](int j, int64_t k) { return load16((j == 0 ? b : b1) + k * NR); },
+      [&](int r, int j, __m512 sum) { acc[r][j] = sum; });
   constexpr int COLS = GATED ? NR / 2 : NR;
   for (int j = 0; j < NPT; ++j) {
     const int n = ncols[j];

@@ -37,35 +37,18 @@ constexpr int NB = 1;
 
 #if defined(NANOINFER_AVX512)
 // c[R x 16 W] (+)= a[R x kdim] * [b0 | b1][kdim x 16 W] (W = 1 or 2 blocks); a row-major (lda), row k of block
-// j is 16 values at bj + k * ldb (widened from the cache's type). Twice the AVX2 tile's rows and columns per
-// broadcast; named accumulators, as in gemm.cpp.
+// j is 16 values at bj + k * ldb (widened from the cache's type): simd.h's fma_tile_12x2, twice the AVX2 tile's
+// rows and columns per broadcast.
 template <int R, int W, bool ACC, typename TB>
 inline void tile(const float* __restrict a, int64_t lda, const TB* __restrict b0, const TB* __restrict b1,
                  int64_t ldb, int kdim, float* __restrict c, int64_t ldc) {
-  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0;
-  __m512 c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
-  __m512 c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0;
-  __m512 c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0, c11_1 = c0_0;
-  for (int k = 0; k < kdim; ++k) {
-    const __m512 w0 = load16(b0 + k * ldb);
-    const __m512 w1 = W == 2 ? load16(b1 + k * ldb) : w0;
-#define NANOINFER_ROW(r)                                                  \
-  if constexpr (R > r) {                                                  \
-    const __m512 av = _mm512_set1_ps(a[r * lda + k]);                     \
-    c##r##_0 = _mm512_fmadd_ps(av, w0, c##r##_0);                         \
-    if constexpr (W == 2) c##r##_1 = _mm512_fmadd_ps(av, w1, c##r##_1);   \
-  }
-    NANOINFER_ROW(0) NANOINFER_ROW(1) NANOINFER_ROW(2) NANOINFER_ROW(3) NANOINFER_ROW(4) NANOINFER_ROW(5)
-    NANOINFER_ROW(6) NANOINFER_ROW(7) NANOINFER_ROW(8) NANOINFER_ROW(9) NANOINFER_ROW(10) NANOINFER_ROW(11)
-#undef NANOINFER_ROW
-  }
-  const __m512 acc[MR][2] = {{c0_0, c0_1}, {c1_0, c1_1}, {c2_0, c2_1}, {c3_0, c3_1},   {c4_0, c4_1},   {c5_0, c5_1},
-                             {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1}};
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) {
-      float* out = c + r * ldc + j * NR;
-      _mm512_storeu_ps(out, ACC ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][j]) : acc[r][j]);
-    }
+  fma_tile_12x2<R, W>(
+      kdim, [](int64_t) {}, [&](int r, int64_t k) { return a[r * lda + k]; },
+      [&](int j, int64_t k) { return load16((j == 0 ? b0 : b1) + k * ldb); },
+      [&](int r, int j, __m512 sum) {
+        float* out = c + r * ldc + j * NR;
+        _mm512_storeu_ps(out, ACC ? _mm512_add_ps(_mm512_loadu_ps(out), sum) : sum);
+      });
 }
 
 // R (at most MR) rows x 16 w (w blocks, at most NB) of c: tile<R, w> for a run-time R and w.

@@ -174,6 +174,38 @@ static inline void store16(at::BFloat16* p, __m512 rounded) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
 }
+
+// The AVX-512 register tile of the GEMM-shaped kernels (csrc/gemm.cpp's linears, csrc/prefill_attention.cpp's
+// two products): R (at most 12) rows x W (1 or 2) blocks of 16 columns, float32 sums over k = 0..kdim-1 in
+// order, 12 broadcasts and W loads per 12 W FMAs. Each k-step runs step(k) first (a prefetch, or nothing),
+// multiplies a(r, k) (row r's k-th value) into b(j, k) (block j's 16 values), and out(r, j, sum) takes each
+// sum at the end. Named accumulators, not an array: with an array GCC keeps them on the stack.
+template <int R, int W, typename Step, typename A, typename B, typename Out>
+__attribute__((always_inline)) inline void fma_tile_12x2(int64_t kdim, Step&& step, A&& a, B&& b, Out&& out) {
+  static_assert(R >= 1 && R <= 12 && (W == 1 || W == 2), "fma_tile_12x2: at most 12 rows of 2 blocks");
+  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0;
+  __m512 c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
+  __m512 c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0;
+  __m512 c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0, c11_1 = c0_0;
+  for (int64_t k = 0; k < kdim; ++k) {
+    step(k);
+    const __m512 w0 = b(0, k);
+    const __m512 w1 = W == 2 ? b(1, k) : w0;
+#define NANOINFER_ROW(r)                                                  \
+  if constexpr (R > r) {                                                  \
+    const __m512 av = _mm512_set1_ps(a(r, k));                            \
+    c##r##_0 = _mm512_fmadd_ps(av, w0, c##r##_0);                         \
+    if constexpr (W == 2) c##r##_1 = _mm512_fmadd_ps(av, w1, c##r##_1);   \
+  }
+    NANOINFER_ROW(0) NANOINFER_ROW(1) NANOINFER_ROW(2) NANOINFER_ROW(3) NANOINFER_ROW(4) NANOINFER_ROW(5)
+    NANOINFER_ROW(6) NANOINFER_ROW(7) NANOINFER_ROW(8) NANOINFER_ROW(9) NANOINFER_ROW(10) NANOINFER_ROW(11)
+#undef NANOINFER_ROW
+  }
+  const __m512 acc[12][2] = {{c0_0, c0_1}, {c1_0, c1_1}, {c2_0, c2_1}, {c3_0, c3_1},   {c4_0, c4_1},   {c5_0, c5_1},
+                             {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1}};
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) out(r, j, acc[r][j]);
+}
 #endif
 #endif
 
