@@ -47,13 +47,14 @@ def _reference(query, k_cache, v_cache, tables, seq_lens, scale):
     (torch.float32, None), (torch.bfloat16, None),
     (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn),  # kv_cache_dtype under float32
 ])  # fmt: skip
-@pytest.mark.parametrize("heads", [(9, 3, 64, 256), (8, 2, 128, 16), (4, 4, 64, 256), (16, 1, 64, 256)])
+@pytest.mark.parametrize("heads", [(9, 3, 64, 256), (8, 2, 128, 16), (4, 4, 64, 256), (16, 1, 64, 256), (6, 2, 80, 16)])
 @pytest.mark.parametrize("run_len", [2, 4, 6, 9])
 @pytest.mark.parametrize("many", [False, True])
 def test_runs_of_rows_give_each_row_its_bits_alone(dtype, cache_dtype, heads, run_len, many):
     """(9, 3): SmolLM2's heads, on AMX runs of up to 5 rows share a tile's 16 columns, longer runs split (on
     AVX-512, float32 queries: runs of up to 8 rows); (8, 2) with 16-token blocks: tiles cross blocks; (16, 1):
-    a row fills the AMX tile's columns, so runs go row by row there. Few runs: each work item is one KV head
+    a row fills the AMX tile's columns, so runs go row by row there; (6, 2, 80): a head size the AVX-512 loops
+    take with run-time chunk counts (64 and 128 have unrolled ones). Few runs: each work item is one KV head
     of a run; many (4 a thread): whole runs, where one tile holds several KV heads' columns of several rows."""
     num_seqs = 4 * torch.get_num_threads() + 1 if many else 3
     num_heads, num_kv_heads, head_dim, block_size = heads
