@@ -117,7 +117,7 @@ static inline __m256 hsum8x8(const __m256* v) {
 
 // One token's key dots for float32 queries (pre-scaled, [Hq, D]) over a float32 cache or a narrower one widened
 // in registers, parked as attend_avx512 parks them: KV heads [h0, h1) of the token's cache row. Each key slice
-// is loaded into registers once for its G query heads, which read their queries from L1. C32 = D / 16 as a
+// is loaded into registers once for its G query heads, which read their queries from L1. C16 = D / 16 as a
 // constant (0: `chunks` at run time, at most 16), so the chunk loops unroll: with the chunk count a run-time
 // bound every dot was a short loop, and several rows of a sequence run as one (G = rows x heads a KV head)
 // were bound by the core, not the cache's bytes (float32, 4 rows a sequence: twice one row's time).
