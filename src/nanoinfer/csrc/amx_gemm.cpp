@@ -126,7 +126,8 @@ struct Epilogue {
 // x + kb * 32 with row stride lda elements and stored to xt + kb * 512 (a copy of the tiles, 1 KB each,
 // contiguous), or (FROM_TILES) read from that copy.
 // pf: `pf_lines` 64-byte lines to prefetch into L2 each k-step, from pf on (the weights this thread runs next).
-// prev: the block before's sums, `rows_per_step` rows of them written each k-step (all of them by the end).
+// prev: the block before's sums, `rows_per_step` rows of them written each k-step, all of them before c is
+// stored (prev's sums may be in c).
 template <bool GATED, bool FROM_TILES>
 inline void block(const bf16* x, int64_t lda, bf16* xt, const bf16* b, int64_t KB, float* c, const char* pf,
                   int pf_lines, Epilogue& prev, int rows_per_step) {
@@ -218,9 +219,10 @@ void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, 
   #pragma omp parallel num_threads(threads)
   {
     load_tile_config();
-    alignas(64) float c[2][BLOCK_ROWS * PAIR_COLS];  // this block's sums and the one before's
+    // A block's sums. block() writes the last block's rows out of it before it stores its own, so one buffer
+    // serves both.
+    alignas(64) float c[BLOCK_ROWS * PAIR_COLS];
     Epilogue prev;  // the last block's, written during the next
-    int cur = 0;
     const int rows_per_step = (int)((BLOCK_ROWS + KB - 1) / KB);
     // Ranges were made for `threads`; a team given fewer leaves some unowned, and the others take all of them.
     const int t = omp_get_thread_num();
@@ -244,11 +246,10 @@ void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, 
         bf16* xt = tiles + (blk - blk_begin) * KB * kTileElems;
         const char* pf = next ? reinterpret_cast<const char*>(next) + (blk - blk_begin) * pf_lines * KB * 64 : nullptr;
         if (from_tiles)
-          block<GATED, true>(xa, lda, xt, bp, KB, c[cur], pf, pf_lines, prev, rows_per_step);
+          block<GATED, true>(xa, lda, xt, bp, KB, c, pf, pf_lines, prev, rows_per_step);
         else
-          block<GATED, false>(xa, lda, xt, bp, KB, c[cur], pf, pf_lines, prev, rows_per_step);
-        prev = Epilogue{c[cur], rows, 0, out + m0 * N + p * cols, N, ncols, biasp};
-        cur ^= 1;
+          block<GATED, false>(xa, lda, xt, bp, KB, c, pf, pf_lines, prev, rows_per_step);
+        prev = Epilogue{c, rows, 0, out + m0 * N + p * cols, N, ncols, biasp};
       }
     };
     auto pair_ptr = [&](int64_t p) { return b + p * KB * PAIR_STEP; };
