@@ -172,7 +172,7 @@ static inline void key_dots_bf16(const at::BFloat16* row, const at::BFloat16* qb
 // rows kPrefetchRows tokens ahead (the first head group of a block does).
 template <int C, int N, typename T>
 static inline void value_block(const T* v, const size_t* rows, int len, int t0, int t1, int h, int h0, int h1, int qa,
-                               int q0, const float* const* probs, float* acc, bool prefetch) {
+                               int q0, const float* const* probs, int ts, float* acc, bool prefetch) {
   constexpr int D = 16 * C;
   __m512 a[N][C];
   for (int j = 0; j < N; ++j)
@@ -185,7 +185,7 @@ static inline void value_block(const T* v, const size_t* rows, int len, int t0, 
     __m512 vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load16(vp + 16 * c);
     for (int j = 0; j < N; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j][t]);
+      const __m512 pj = _mm512_set1_ps(p[j][(size_t)t * ts]);
       for (int c = 0; c < C; ++c) a[j][c] = _mm512_fmadd_ps(pj, vc[c], a[j][c]);
     }
   }
@@ -193,15 +193,15 @@ static inline void value_block(const T* v, const size_t* rows, int len, int t0, 
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (size_t)(qa + j) * D + 16 * c, a[j][c]);
 }
 
-// value_pass_avx512 for D = 16 C, for attend_avx512's float32 queries (each head's probabilities contiguous):
+// value_pass_avx512 for D = 16 C (query head qh's probabilities at probs[qh - q0][t * ts], as there):
 // tokens in blocks of 32, whose value rows stay in L1 for the head groups after the first; each group of
 // N = 24 / C query heads keeps its accumulators in registers over a block. Each output element still sums its tokens in order, one FMA each:
 // the same bits. float32, 64 sequences x 300 tokens x 30 layers, against the 4-token loop (old and new
 // alternated, with key_dots_f32): 3 / 4 rows a sequence run as one 1.16-1.21x / 1.22-1.26x faster, one row
-// the same. attend_amx keeps the 4-token loop: this one measured 0.95x there (bfloat16, one and three rows).
+// the same. attend_amx takes it for runs of three or more rows (see there; 0.95x at one row).
 template <int C, typename T>
 static void value_pass_blocked(const T* v, const size_t* rows, int len, int G, int h0, int h1,
-                               const float* const* probs, float* acc) {
+                               const float* const* probs, int ts, float* acc) {
   constexpr int D = 16 * C, N = 24 / C, TB = 32;
   const int q0 = h0 * G;
   std::fill(acc + (size_t)q0 * D, acc + (size_t)h1 * G * D, 0.f);
@@ -212,12 +212,12 @@ static void value_pass_blocked(const T* v, const size_t* rows, int len, int G, i
         const int qa = h * G + g, n = std::min(N, G - g);
         const bool pf = h == h0 && g == 0;
         if (n == N) {
-          value_block<C, N>(v, rows, len, t0, t1, h, h0, h1, qa, q0, probs, acc, pf);
+          value_block<C, N>(v, rows, len, t0, t1, h, h0, h1, qa, q0, probs, ts, acc, pf);
           continue;
         }
         switch (n) {  // the last group of a KV head's query heads
 #define NANOINFER_GROUP(k) \
-  case k: if constexpr (k < N) value_block<C, k>(v, rows, len, t0, t1, h, h0, h1, qa, q0, probs, acc, pf); break;
+  case k: if constexpr (k < N) value_block<C, k>(v, rows, len, t0, t1, h, h0, h1, qa, q0, probs, ts, acc, pf); break;
           NANOINFER_GROUP(1) NANOINFER_GROUP(2) NANOINFER_GROUP(3) NANOINFER_GROUP(4) NANOINFER_GROUP(5)
 #undef NANOINFER_GROUP
           default: break;
@@ -362,9 +362,9 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
   std::vector<const float*> probs(nq);
   for (int j = 0; j < nq; ++j) probs[j] = scores + (size_t)(q0 + j) * len;
   if (D == 64)
-    value_pass_blocked<4>(v, rows, len, G, h0, h1, probs.data(), acc);
+    value_pass_blocked<4>(v, rows, len, G, h0, h1, probs.data(), 1, acc);
   else if (D == 128)
-    value_pass_blocked<8>(v, rows, len, G, h0, h1, probs.data(), acc);
+    value_pass_blocked<8>(v, rows, len, G, h0, h1, probs.data(), 1, acc);
   else
     value_pass_avx512(v, rows, len, G, D, h0, h1, probs.data(), 1, acc);
   for (int j = 0; j < nq; ++j)
@@ -496,7 +496,15 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
       inv_buf[qh - q0] = 1.f / sums[qh - a * G];
     }
   }
-  value_pass_avx512(v, rows, len, G, D, h0, h1, probs.data(), 16, acc);
+  // Runs of 3 or more rows (speculative decoding: G = 9-15 query heads a KV head) take value_pass_blocked, the
+  // same bits: the whole kernel 1.06x faster at 43 sequences x 4 rows x ~330 tokens x 30 layers (bfloat16,
+  // both passes in one build, alternated); runs of one and two rows measured the same either way.
+  if (D == 64 && G >= 8)
+    value_pass_blocked<4>(v, rows, len, G, h0, h1, probs.data(), 16, acc);
+  else if (D == 128 && G >= 8)
+    value_pass_blocked<8>(v, rows, len, G, h0, h1, probs.data(), 16, acc);
+  else
+    value_pass_avx512(v, rows, len, G, D, h0, h1, probs.data(), 16, acc);
   for (int j = 0; j < nq; ++j) {
     const __m512 inv = _mm512_set1_ps(inv_buf[j]);
     for (int d = 0; d < D; d += 16)
