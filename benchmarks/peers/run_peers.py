@@ -29,6 +29,7 @@ import os
 import platform
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1:
         print("error: --threads must be at least 1", file=sys.stderr)
         return 2
+    if args.rounds < 1:
+        print("error: --rounds must be at least 1", file=sys.stderr)
+        return 2
     try:
         from nanoinfer.bench import make_workload
         from nanoinfer.config import DEFAULT_MODEL
@@ -106,16 +110,26 @@ def main(argv: list[str] | None = None) -> int:
           f"(sha256 {digest[:12]}); {args.threads} thread(s); logs in {work_dir}", flush=True)  # fmt: skip
 
     load_before = _loadavg()
-    runs = []
-    for engine in engines:
-        print(f"running {engine} ...", end=" ", flush=True)
-        start = time.perf_counter()
-        run = _run_engine(engine, args, workload, model_dir, workload_path, work_dir)
-        took = time.perf_counter() - start
-        run.setdefault("process_seconds", took)
-        print(f"{run['status']} ({took:.0f} s)" + (f": {run['reason']}" if run["status"] != "ok" else ""), flush=True)
-        runs.append(run)
+    rounds = []
+    for i in range(args.rounds):
+        # Every other round in reverse order, so that no engine always runs first (or right after the same
+        # other engine): this VM's speed drifts by 10-30% within minutes.
+        order = engines if i % 2 == 0 else engines[::-1]
+        runs = []
+        for engine in order:
+            label = engine if args.rounds == 1 else f"{engine} (round {i + 1} of {args.rounds})"
+            print(f"running {label} ...", end=" ", flush=True)
+            start = time.perf_counter()
+            tag = "" if args.rounds == 1 else f"-round{i + 1}"
+            run = _run_engine(engine, args, workload, model_dir, workload_path, work_dir, tag)
+            took = time.perf_counter() - start
+            run.setdefault("process_seconds", took)
+            print(f"{run['status']} ({took:.0f} s)" + (f": {run['reason']}" if run["status"] != "ok" else ""),
+                  flush=True)  # fmt: skip
+            runs.append(run)
+        rounds.append(sorted(runs, key=lambda r: engines.index(r["engine"])))
 
+    runs = rounds[0]
     ratios = _ratios(runs)
     report = {
         "schema": SCHEMA,
@@ -128,12 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
     }
     _render(runs, ratios, workload)
+    if args.rounds > 1:
+        report["rounds"] = [{"runs": r, "ratios": _ratios(r)} for r in rounds]
+        report["median_ratios"] = _median_ratios([_ratios(r) for r in rounds])
+        _render_rounds(rounds, report["median_ratios"])
     if args.output_json:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {out}")
-    return 0 if all(r["status"] == "ok" for r in runs) else 1
+    return 0 if all(r["status"] == "ok" for round_runs in rounds for r in round_runs) else 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,6 +166,14 @@ def _parser() -> argparse.ArgumentParser:
         + ", all. Default: %(default)s.",
     )
     p.add_argument("--threads", type=int, default=2, help="Compute threads for every engine (default: %(default)s).")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Run the engines this many times, every other round in reverse order, and print each round's "
+        "ratios and their median (default: %(default)s). The tables and the JSON's runs / ratios are round 1's; "
+        "the JSON adds rounds and median_ratios.",
+    )
     w = p.add_argument_group("workload (defaults: nanoinfer bench's on CPU, i.e. workload W)")
     w.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="Requests (default: %(default)s).")
     w.add_argument(
@@ -271,8 +297,8 @@ def _engine_env(threads: int) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _run_engine(engine, args, workload, model_dir: Path, workload_path: Path, work_dir: Path) -> dict:
-    result_path, log_path = work_dir / f"{engine}.json", work_dir / f"{engine}.log"
+def _run_engine(engine, args, workload, model_dir: Path, workload_path: Path, work_dir: Path, tag: str = "") -> dict:
+    result_path, log_path = work_dir / f"{engine}{tag}.json", work_dir / f"{engine}{tag}.log"
     result_path.unlink(missing_ok=True)  # a reused --work-dir must not pass off an old result as this run's
     if engine == "nanoinfer":
         cmd = _nanoinfer_cmd(args, result_path)
@@ -372,6 +398,35 @@ def _ratios(runs: list[dict]) -> dict:
     """matrix[a][b] = output tok/s of a / output tok/s of b, over the engines that ran."""
     ok = {r["engine"]: r["output_tok_s"] for r in runs if r["status"] == "ok"}
     return {a: {b: ta / tb for b, tb in ok.items()} for a, ta in ok.items()}
+
+
+def _median_ratios(per_round: list[dict]) -> dict:
+    """matrix[a][b]: the median over rounds of a's output tok/s / b's, over the rounds where both ran."""
+    out: dict = {}
+    for ratios in per_round:
+        for a, row in ratios.items():
+            for b, value in row.items():
+                out.setdefault(a, {}).setdefault(b, []).append(value)
+    return {a: {b: statistics.median(values) for b, values in row.items()} for a, row in out.items()}
+
+
+def _render_rounds(rounds: list[list[dict]], median: dict) -> None:
+    """Each round's output tok/s with nanoinfer / engine in brackets, then the median ratio (the tables above
+    are round 1's)."""
+    engines = [r["engine"] for r in rounds[0]]
+    body = []
+    for i, runs in enumerate(rounds):
+        tok_s = {r["engine"]: r["output_tok_s"] for r in runs if r["status"] == "ok"}
+        ours = tok_s.get("nanoinfer")
+        body.append([str(i + 1), *(
+            "-" if e not in tok_s else f"{tok_s[e]:.1f}" if e == "nanoinfer" or ours is None
+            else f"{tok_s[e]:.1f} ({ours / tok_s[e]:.2f}x)" for e in engines
+        )])  # fmt: skip
+    if "nanoinfer" in median:
+        body.append(["median", *(f"({median['nanoinfer'][e]:.2f}x)" if e != "nanoinfer" and e in median["nanoinfer"]
+                                 else "-" for e in engines)])  # fmt: skip
+    print(f"\nAll {len(rounds)} rounds, output tok/s (nanoinfer / engine):")
+    _plain_table(["round", *engines], body)
 
 
 def _render(runs: list[dict], ratios: dict, workload) -> None:
