@@ -198,7 +198,7 @@ static inline void value_block(const T* v, const size_t* rows, int len, int t0, 
 // N = 24 / C query heads keeps its accumulators in registers over a block. Each output element still sums its tokens in order, one FMA each:
 // the same bits. float32, 64 sequences x 300 tokens x 30 layers, against the 4-token loop (old and new
 // alternated, with key_dots_f32): 3 / 4 rows a sequence run as one 1.16-1.21x / 1.22-1.26x faster, one row
-// the same. attend_amx takes it for runs of three or more rows (see there; 0.95x at one row).
+// the same. attend_amx takes it from eight query heads a KV head (see there).
 template <int C, typename T>
 static void value_pass_blocked(const T* v, const size_t* rows, int len, int G, int h0, int h1,
                                const float* const* probs, int ts, float* acc) {
@@ -496,9 +496,10 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
       inv_buf[qh - q0] = 1.f / sums[qh - a * G];
     }
   }
-  // Runs of 3 or more rows (speculative decoding: G = 9-15 query heads a KV head) take value_pass_blocked, the
-  // same bits: the whole kernel 1.06x faster at 43 sequences x 4 rows x ~330 tokens x 30 layers (bfloat16,
-  // both passes in one build, alternated); runs of one and two rows measured the same either way.
+  // Eight or more query heads a KV head (SmolLM2's runs of 3-5 rows under speculative decoding, G = 9-15) take
+  // value_pass_blocked, the same bits: the whole kernel 1.06-1.08x faster at 4 rows a sequence (2-43 sequences
+  // x ~330 tokens x 30 layers, both passes in one build, alternated); at one and two rows (G = 3, 6) the two
+  // measured the same.
   if (D == 64 && G >= 8)
     value_pass_blocked<4>(v, rows, len, G, h0, h1, probs.data(), 16, acc);
   else if (D == 128 && G >= 8)
