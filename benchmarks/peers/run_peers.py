@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     _render(runs, ratios, workload)
     if args.rounds > 1:
-        report["rounds"] = [{"runs": r, "ratios": _ratios(r)} for r in rounds]
-        report["median_ratios"] = _median_ratios([_ratios(r) for r in rounds])
+        per_round = [_ratios(r) for r in rounds]
+        report["rounds"] = [{"runs": r, "ratios": q} for r, q in zip(rounds, per_round)]
+        report["median_ratios"] = _median_ratios(per_round)
         _render_rounds(rounds, report["median_ratios"])
     if args.output_json:
         out = Path(args.output_json)
