@@ -1,14 +1,15 @@
 // Zero-filled tensors whose memory Linux may back with 2 MiB pages (transparent huge pages asked for with
 // madvise, which is what most distributions enable: "madvise" mode does nothing for plain malloc memory).
 //
-// Why: a decode step streams every packed weight once (270 MB for SmolLM2-135M in bfloat16) and most of the
-// KV cache; on 4 KiB pages that is ~115,000 pages a step, each a TLB miss. Measured on a 2-core Sapphire
+// Why: a decode step streams every packed weight once (270 MB for SmolLM2-135M in bfloat16); on 4 KiB pages
+// that is ~66,000 pages a step, each a TLB miss. Measured on a 2-core Sapphire
 // Rapids (30 layers' decode linears, 212 MB, old and new alternated in one process): 14.1 -> 13.9 ms at 16
 // rows, 16.4 -> 16.0 at 32, 19.3 -> 17.6 at 48, 22.0 -> 21.3 at 64 (benchmarks/README.md, tenth round).
 //
 // The memory is an anonymous mapping: zero until written and committed page by page as it is first written
-// (a huge page at a time where the kernel grants one), so a KV cache sized for the whole budget costs
-// nothing until its blocks fill. Small tensors, and other systems, get an ordinary torch::zeros.
+// (a huge page at a time where the kernel grants one); the packed weights are written once, at load. The KV
+// cache, written a block at a time all through a run, stays on 4 KiB pages (engine/model_runner.py says
+// why). Small tensors, and other systems, get an ordinary torch::zeros.
 #include "simd.h"
 
 #ifdef __linux__

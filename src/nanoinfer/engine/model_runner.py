@@ -100,7 +100,7 @@ class ModelRunner:
         self.kv_caches = []  # drop the old cache before allocating the new one
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.num_blocks = num_blocks
-        # On CPU the OS commits the cache's pages only as blocks fill up (an anonymous mapping, or torch.empty's
+        # On CPU the OS commits the cache's pages only as blocks fill up (torch.empty's
         # untouched memory), so a 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB of resident
         # memory for a small job (the planner already checked the budget against available RAM). Every
         # backend reads only slots below a sequence's length, which were written first.
@@ -112,15 +112,13 @@ class ModelRunner:
     def _allocate_cache_tensor(self, shape) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-        ops = cpu_ops()
-        if ops is None:
-            return torch.empty(shape, dtype=self.kv_cache_dtype)
-        # On 2 MiB pages where Linux grants them (csrc/huge_pages.cpp): decode reads most of the cache every
-        # step, ~50,000 4 KiB pages a step in W. Committed a huge page at a time as blocks fill (up to 2 MiB
-        # more resident memory a layer's K or V than 4 KiB pages). An earlier try with pre-faulted huge
-        # pages sped decode attention 7-17% but cost more in prefill; lazily committed, W in bfloat16 ran
-        # at least as fast in 3 of 4 alternated runs (benchmarks/README.md, tenth round).
-        return ops.zeros_on_huge_pages(list(shape), self.kv_cache_dtype)
+        # Ordinary 4 KiB pages, committed as blocks are first written. Not the weights' 2 MiB pages
+        # (csrc/huge_pages.cpp): a huge page is committed whole at its first write, and on the 2-core VM of
+        # stop 27 that cost 1.26 ms per 2 MiB against 0.74 us per 4 KiB page. W runs ~900 MB of cache into
+        # use, so lazily committed huge pages made it 3-7% slower (float32 ~485 -> ~520 tok/s, bfloat16
+        # ~1,300 -> ~1,355, two alternated runs each); on the Sapphire Rapids of the tenth round they were
+        # only level (benchmarks/README.md, seventeenth round).
+        return torch.empty(shape, dtype=self.kv_cache_dtype)
 
     @torch.inference_mode()
     def warmup(self) -> None:
