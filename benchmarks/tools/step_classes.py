@@ -56,6 +56,8 @@ def main() -> None:
 
     runner._forward = timed("forward", runner._forward)
     runner.model.compute_logits = timed("lm_head", runner.model.compute_logits)
+    lm_head = runner.model.lm_head  # greedy float32 rows on AMX skip compute_logits (csrc/greedy_lm_head.cpp)
+    lm_head.greedy_token_ids = timed("lm_head", lm_head.greedy_token_ids)
     runner.sampler = timed("sampler", runner.sampler)
     runner.prepare_inputs = timed("prepare", runner.prepare_inputs)
     scheduler.schedule = timed("schedule", scheduler.schedule)

@@ -27,6 +27,8 @@ torch::Tensor pack_amx_weight(const torch::Tensor& weight, bool gated);
 torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed,
                          const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
 bool amx_available();
+torch::Tensor greedy_lm_head(const torch::Tensor& hidden, const torch::Tensor& amx_packed,
+                             const torch::Tensor& weight_norms, const torch::Tensor& panels, int64_t V);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
@@ -60,6 +62,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(x Wg^T) * (x Wu^T) with the roundings of the separate bfloat16 ops",
         pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"),
         pybind11::arg("gated") = false);
+  m.def("greedy_lm_head", &greedy_lm_head,
+        "argmax of float32 logits x W^T (W panel-packed) found from bfloat16 AMX logits and an error bound, "
+        "confirmed in float32 on the candidates; -1 for a row to compute in full",
+        pybind11::arg("hidden"), pybind11::arg("amx_packed"), pybind11::arg("weight_norms"), pybind11::arg("panels"),
+        pybind11::arg("vocab_size"));
 #ifdef NANOINFER_AVX2
   m.attr("vectorized") = true;
 #else

@@ -163,7 +163,11 @@ class ModelRunner:
         hidden_states = self._forward(input_ids, positions, metadata)
         if not sample_seqs:
             return {}
-        logits = self.model.compute_logits(hidden_states[sample_indices])
+        hidden_states = hidden_states[sample_indices]
+        lm_head = self.model.lm_head
+        if lm_head.greedy_head is not None and all(s.params.is_plain_greedy for s in sample_seqs):
+            return group_by_sequence(sample_seqs, lm_head.greedy_token_ids(hidden_states).tolist())
+        logits = self.model.compute_logits(hidden_states)
         return group_by_sequence(sample_seqs, self.sampler(logits, sample_seqs))
 
     @torch.inference_mode()

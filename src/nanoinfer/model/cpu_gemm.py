@@ -49,6 +49,23 @@ class PackedWeight:
         return self.kind in ("gated", "amx_gated")
 
 
+@dataclass(frozen=True)
+class GreedyLMHead:
+    """A float32 LM head's bfloat16 copy, packed for AMX, and its rows' L2 norms (rounded up): greedy tokens
+    without the float32 product, found from the bfloat16 one and an error bound (csrc/greedy_lm_head.cpp)."""
+
+    amx_packed: torch.Tensor
+    weight_norms: torch.Tensor
+
+
+def pack_greedy_lm_head(weight: torch.Tensor) -> GreedyLMHead:
+    weight = weight.detach()
+    # In float64, then up by more than float32's rounding: the bound holds only with norms no smaller than the
+    # true ones.
+    norms = (torch.linalg.vector_norm(weight, dim=1, dtype=torch.float64) * (1 + 1e-6)).float()
+    return GreedyLMHead(cpu_ops().pack_amx_weight(weight.to(torch.bfloat16), False), norms)
+
+
 def onednn_prepack_supported(dtype: torch.dtype) -> bool:
     """Can oneDNN pack and run a linear of this dtype on this CPU? Tried on a tiny matrix, not guessed."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
@@ -139,6 +156,11 @@ def prepack_linear_weights(model: nn.Module) -> int:
         module_kind = kind
         if getattr(module, "packs_gated", False) and kind in ("amx", "panels"):
             module_kind = {"amx": "amx_gated", "panels": "gated" if dtype == torch.float32 else kind}[kind]
+        # A float32 LM head on a CPU with AMX also keeps a bfloat16 copy: greedy rows take their token from it
+        # (exactly the float32 logits' argmax, csrc/greedy_lm_head.cpp) at a third of the float32 product's cost.
+        if getattr(module, "greedy_from_bfloat16", False) and module_kind == "panels" and dtype == torch.float32 \
+                and cpu_ops().amx_available():
+            module.greedy_head = pack_greedy_lm_head(module.weight)
         module.packed_weight = pack_weight(module.weight, module_kind)
         if owners[id(module.weight)] == 1:
             module.weight.data = torch.empty(0, dtype=dtype)

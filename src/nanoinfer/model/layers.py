@@ -16,7 +16,7 @@ from torch import nn
 
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
-from nanoinfer.model.cpu_gemm import PackedWeight, linear
+from nanoinfer.model.cpu_gemm import GreedyLMHead, PackedWeight, linear
 
 logger = logging.getLogger("nanoinfer")
 
@@ -205,9 +205,25 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
         self.packed_weight: PackedWeight | None = None  # set by cpu_gemm.prepack_linear_weights
+        self.greedy_from_bfloat16 = self.tp_size == 1  # may prepack_linear_weights add `greedy_head`?
+        self.greedy_head: GreedyLMHead | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden_states, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits
+
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The argmax of forward(hidden_states) a row (the first index on a tie), from the bfloat16 copy where
+        there is one (float32 on a CPU with AMX): the same tokens, without the float32 product."""
+        head = self.greedy_head
+        if head is None or hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu":
+            return torch.argmax(self(hidden_states), dim=-1)
+        token_ids = cpu_ops().greedy_lm_head(
+            hidden_states, head.amx_packed, head.weight_norms, self.packed_weight.data, self.packed_weight.out_features
+        )
+        full = (token_ids < 0).nonzero().flatten()  # rows whose hidden state or bfloat16 logits are not finite
+        if len(full):
+            token_ids[full] = torch.argmax(self(hidden_states[full]), dim=-1)
+        return token_ids

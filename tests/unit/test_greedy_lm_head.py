@@ -1,0 +1,96 @@
+"""Greedy tokens of a float32 LM head from its bfloat16 copy (csrc/greedy_lm_head.cpp): always the argmax of
+the float32 logits our panel GEMM computes, bit for bit, including near-ties bfloat16 cannot tell apart and exact
+ties (the first index wins). Runs where the CPU has AMX; elsewhere the path is never taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.model.cpu_gemm import linear, pack_greedy_lm_head, pack_weight
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().amx_available(), reason="no AMX on this CPU")
+
+
+def _picks(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy_lm_head's tokens, the argmax of the full float32 logits through the same packed weight)."""
+    panels = pack_weight(weight, "panels")
+    head = pack_greedy_lm_head(weight)
+    picked = cpu_ops().greedy_lm_head(hidden, head.amx_packed, head.weight_norms, panels.data, weight.shape[0])
+    full = torch.argmax(linear(hidden, weight, None, panels), dim=-1)
+    return picked, full
+
+
+# Vocabularies a multiple of 16 and not (a partial panel), hidden sizes a multiple of 32 and not.
+@pytest.mark.parametrize("vocab, hidden_size", [(4096, 576), (1000, 64), (333, 100)])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_the_float32_argmax_on_random_logits(vocab, hidden_size, rows):
+    gen = torch.Generator().manual_seed(vocab + rows)
+    weight = torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5
+    hidden = torch.randn(rows, hidden_size, generator=gen) * 3
+    picked, full = _picks(hidden, weight)
+    assert picked.dtype == torch.long and torch.equal(picked, full)
+
+
+def test_near_ties_bfloat16_cannot_see_and_exact_ties():
+    """Rows of W that differ below bfloat16's resolution: the bfloat16 logits tie, the float32 ones do not; and
+    duplicated rows, whose float32 logits tie exactly: torch.argmax's first index must win."""
+    gen = torch.Generator().manual_seed(0)
+    hidden_size, vocab = 256, 512
+    base = torch.randn(hidden_size, generator=gen)
+    weight = torch.randn(vocab, hidden_size, generator=gen) * 0.05
+    for j in range(100, 164):  # 64 rows within ~1e-4 of one another, all far above the rest
+        weight[j] = base * (1 + 1e-5 * (j - 130)) + 1e-6 * torch.randn(hidden_size, generator=gen)
+    weight[300] = weight[140]  # an exact duplicate later in the vocabulary
+    weight[90] = weight[131]  # and one earlier
+    hidden = torch.stack([base, -base, base * 1e3, base * 1e-3, base + 0.01 * torch.randn(hidden_size, generator=gen)])
+    picked, full = _picks(hidden, weight)
+    assert torch.equal(picked, full)
+    bfloat16_argmax = torch.argmax(hidden.bfloat16().float() @ weight.bfloat16().float().t(), dim=-1)
+    assert not torch.equal(bfloat16_argmax, full)  # bfloat16's own argmax would have picked other tokens
+
+
+def test_rows_that_are_not_finite_are_left_to_the_full_path():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 64, generator=gen)
+    hidden = torch.randn(4, 64, generator=gen)
+    hidden[1, 3] = float("nan")
+    hidden[2, 5] = float("inf")
+    hidden[3] = 3e38  # finite in float32, infinite once rounded to bfloat16
+    head, panels = pack_greedy_lm_head(weight), pack_weight(weight, "panels")
+    picked = cpu_ops().greedy_lm_head(hidden, head.amx_packed, head.weight_norms, panels.data, 300)
+    assert picked[0] >= 0 and picked[1:].tolist() == [-1, -1, -1]
+
+
+def test_the_lm_head_module_falls_back_for_those_rows():
+    from nanoinfer.model.layers import ParallelLMHead
+
+    gen = torch.Generator().manual_seed(2)
+    head = ParallelLMHead(300, 64)
+    head.weight.data = torch.randn(300, 64, generator=gen)
+    hidden = torch.randn(3, 64, generator=gen)
+    expected = torch.argmax(hidden @ head.weight.data.t(), dim=-1)
+    hidden[1] = float("nan")
+    expected[1] = 0  # torch.argmax of a NaN row: its first NaN
+    head.greedy_head = pack_greedy_lm_head(head.weight)
+    head.packed_weight = pack_weight(head.weight, "panels")
+    assert head.greedy_token_ids(hidden).tolist() == expected.tolist()
+
+
+def test_a_float32_model_takes_it_and_generates_what_the_full_logits_give(default_model_dir):
+    from nanoinfer import LLM, SamplingParams
+
+    llm = LLM(str(default_model_dir), max_model_len=512, cpu_kvcache_space_gib=0.25, max_num_seqs=8)
+    lm_head = llm.engine.model_runner.model.lm_head
+    assert lm_head.greedy_head is not None
+    prompts = [[(7 * i + 3 * j) % 5000 + 1 for j in range(20 + 9 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    calls = []
+    pick = lm_head.greedy_token_ids
+    lm_head.greedy_token_ids = lambda h: calls.append(len(h)) or pick(h)
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls  # the greedy rows went through it
+    lm_head.greedy_head = None  # the full float32 logits and the sampler's argmax
+    full = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert fast == full
