@@ -176,6 +176,21 @@ def test_many_rows_split_by_rows_across_threads_give_the_bits_of_few_rows(what):
     torch.testing.assert_close(small.float(), reference, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("rows", [128, 175, 300, 470])
+@pytest.mark.parametrize("in_features", [40, 1536])  # x in one chunk; in two or three (~1.25 MB each)
+def test_decode_steps_rows_in_few_equal_chunks_give_the_bits_of_single_rows(rows, in_features):
+    """Below the row split, the panel GEMM takes a step's rows in as few equal chunks as fit its L2 budget
+    (csrc/gemm.cpp): each row's sums must be what that row alone gives."""
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    gen = torch.Generator().manual_seed(rows + in_features)
+    weight = torch.randn(70, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = pack_weight(weight, "panels")
+    alone = torch.cat([linear(x[i : i + 1], weight, None, packed) for i in range(rows)])
+    assert torch.equal(linear(x, weight, None, packed), alone)
+
+
 def test_gated_linear_runs_bfloat16_with_float32_sums():
     if cpu_ops() is None:
         pytest.skip("no C++ compiler here")

@@ -41,6 +41,7 @@ constexpr int MR = 6;         // rows per register tile
 constexpr int NP = 1;
 #endif
 constexpr int64_t MC = 120;   // rows per chunk of x kept in L2
+constexpr int64_t DECODE_CHUNK_BYTES = 1280 << 10;  // a decode step's chunk of packed x, at most (L2: 2 MB)
 constexpr int64_t RUN_DIV = 2;  // a thread's run of panels: 1 / (RUN_DIV * threads) of those left...
 constexpr int64_t MIN_RUN = 2;  // ...and at least this many
 constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the panels, from this many chunks each
@@ -351,12 +352,19 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
     }
     return;
   }
-  if ((int64_t)buffer.size() < MC * K) buffer.resize(MC * K);
+  // Fewer rows (a decode step): the threads split each chunk's panels, and every chunk streams all of the
+  // weights again, so the rows go in as few chunks as keep a chunk of x in L2 (DECODE_CHUNK_BYTES), of
+  // equal size. In MC-row chunks, 128 rows ran as 120 + 8 and 175 as 120 + 55: 30 layers' float32 decode
+  // linears ran at 293 / 323 GFLOP/s against 359 at 120 rows (benchmarks/README.md, seventeenth round).
+  const int64_t max_rows = std::max<int64_t>(MC, DECODE_CHUNK_BYTES / (K * (int64_t)sizeof(float)) / MR * MR);
+  const int64_t chunks = (M + max_rows - 1) / max_rows;
+  const int64_t chunk_rows = ((M + chunks - 1) / chunks + MR - 1) / MR * MR;
+  if ((int64_t)buffer.size() < chunk_rows * K) buffer.resize(chunk_rows * K);
   float* a = buffer.data();  // taken here: inside the parallel region `buffer` would be each worker's own
   std::atomic<int64_t> cursor{0};
   #pragma omp parallel num_threads(threads)
-  for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t rows = std::min<int64_t>(MC, M - m0);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
+    const int64_t rows = std::min<int64_t>(chunk_rows, M - m0);
     #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < (rows + MR - 1) / MR; ++blk) pack_rows(xs + m0 * K, a, rows, K, blk, blk + 1);
     // implicit barrier: the chunk is packed before any panel reads it
@@ -364,7 +372,7 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
     // runs shorten towards the end and a core slowed by a neighbour takes fewer of them. A thread claims
     // its next run as it starts the last panel of the current one: it always knows the panel it runs
     // next, and prefetches it.
-    const int64_t first = (m0 / MC) * P, end = first + P;  // this chunk's panels count on from the last's
+    const int64_t first = (m0 / chunk_rows) * P, end = first + P;  // this chunk's panels count on from the last's
     auto claim = [&](int64_t& len) {  // -> the first panel of a run of `len`, or -1 when none are left
       int64_t start = cursor.load(std::memory_order_relaxed);
       do {
