@@ -5,7 +5,8 @@ so a kernel change worth a few percent cannot be shown by two separate `nanoinfe
 builds are loaded side by side (torch's extension cache keeps every build, named by a digest of its
 sources) and take turns on the same inputs:
 
-- gemm: a decode step's linears (SmolLM2's four shapes) for 30 layers' distinct weights, at 16/32/64 rows;
+- gemm: a decode step's linears (SmolLM2's four shapes) for 30 layers' distinct weights, at 16/32/64 rows
+  (`--rows`);
 - decode: whole engine decode steps on the default model (64 sequences, 150-250-token prompts).
 
 Usage (build names as in ~/.cache/torch_extensions/<py>_cpu/; `python -c "from nanoinfer.cpu_ops import
@@ -36,11 +37,11 @@ def load_build(name: str):
     return module
 
 
-def ab_gemm(builds: dict, reps: int) -> None:
+def ab_gemm(builds: dict, reps: int, row_counts: list[int]) -> None:
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
     first = next(iter(builds.values()))
     layers = [[first.pack_linear_weight(torch.randn(n, k) * 0.02) for k, n in shapes] for _ in range(30)]
-    for rows in (16, 32, 64):
+    for rows in row_counts:
         x = {k: torch.randn(rows, k) for k, _ in shapes}
         flops = 2 * rows * sum(k * n for k, n in shapes) * len(layers)
         best = dict.fromkeys(builds, float("inf"))
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--what", choices=("gemm", "decode"), default="gemm")
     parser.add_argument("--reps", type=int, default=None, help="turns per build (default: 10 gemm, 3 decode)")
     parser.add_argument("--batch", type=int, default=64, help="decode: sequences per step")
+    parser.add_argument("--rows", default="16,32,64", help="gemm: the row counts, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="decode: the model's dtype")
     args = parser.parse_args()
@@ -110,7 +112,7 @@ def main() -> None:
     builds = {"A": load_build(args.a), "B": load_build(args.b)}
     print(f"A = {args.a}, B = {args.b}, {args.threads} threads")
     if args.what == "gemm":
-        ab_gemm(builds, args.reps or 10)
+        ab_gemm(builds, args.reps or 10, [int(r) for r in args.rows.split(",")])
     else:
         ab_decode(builds, args.reps or 3, args.batch, args.dtype)
 
