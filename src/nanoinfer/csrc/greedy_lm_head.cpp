@@ -45,6 +45,18 @@ struct Bound {
   float c1, c2, tiny;
 };
 
+// E_j for one token and for 8 (a = C1 ||x||, the row's factor; wn = ||w_j||).
+inline float error_bound(float a, float wn, float bj, const Bound& bound) {
+  return a * wn + bound.c2 * std::fabs(bj) + bound.tiny;
+}
+#ifdef NANOINFER_AVX2
+inline __m256 error_bound8(__m256 a, __m256 wn, __m256 bj, const Bound& bound) {
+  const __m256 absb = _mm256_and_ps(bj, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  return _mm256_add_ps(_mm256_fmadd_ps(a, wn, _mm256_mul_ps(_mm256_set1_ps(bound.c2), absb)),
+                       _mm256_set1_ps(bound.tiny));
+}
+#endif
+
 // One row: the index of the largest float32 logit, or -1 (not finite: the caller takes the full path).
 int64_t pick_row(const float* x, const at::BFloat16* b, const float* wnorm, const float* panels, int64_t K,
                  int64_t V, const Bound& bound) {
@@ -53,24 +65,21 @@ int64_t pick_row(const float* x, const at::BFloat16* b, const float* wnorm, cons
   const double xn = std::sqrt(sq) * (1.0 + 1e-6);
   if (!std::isfinite(xn)) return -1;
   const float a = (float)(bound.c1 * xn);
-  const float c2 = bound.c2, tiny = bound.tiny;
   // Pass 1: the threshold max_j (B_j - E_j); any non-finite B_j sends the row to the full path.
   float threshold = -std::numeric_limits<float>::infinity();
   bool finite = true;
   int64_t j = 0;
 #ifdef NANOINFER_AVX2
+  const __m256 va = _mm256_set1_ps(a);
   {
     __m256 tmax = _mm256_set1_ps(threshold);
     __m256 bad = _mm256_setzero_ps();
-    const __m256 va = _mm256_set1_ps(a), vc2 = _mm256_set1_ps(c2), vtiny = _mm256_set1_ps(tiny);
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (; j + 8 <= V; j += 8) {
       const __m256 bj = load8(b + j);
-      const __m256 absb = _mm256_and_ps(bj, abs_mask);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(absb, inf, _CMP_NLT_UQ));  // inf or NaN
-      const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(va, _mm256_loadu_ps(wnorm + j), _mm256_mul_ps(vc2, absb)), vtiny);
-      tmax = _mm256_max_ps(tmax, _mm256_sub_ps(bj, e));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(bj, abs_mask), inf, _CMP_NLT_UQ));  // inf or NaN
+      tmax = _mm256_max_ps(tmax, _mm256_sub_ps(bj, error_bound8(va, _mm256_loadu_ps(wnorm + j), bj, bound)));
     }
     if (_mm256_movemask_ps(bad) != 0) finite = false;
     alignas(32) float lanes[8];
@@ -81,7 +90,7 @@ int64_t pick_row(const float* x, const at::BFloat16* b, const float* wnorm, cons
   for (; j < V; ++j) {
     const float bj = to_f(b[j]);
     if (!std::isfinite(bj)) finite = false;
-    threshold = std::max(threshold, bj - (a * wnorm[j] + c2 * std::fabs(bj) + tiny));
+    threshold = std::max(threshold, bj - error_bound(a, wnorm[j], bj, bound));
   }
   if (!finite) return -1;
   // Pass 2: every candidate's exact logit, in index order (a later equal value does not win).
@@ -95,22 +104,17 @@ int64_t pick_row(const float* x, const at::BFloat16* b, const float* wnorm, cons
   };
   j = 0;
 #ifdef NANOINFER_AVX2
-  {
-    const __m256 va = _mm256_set1_ps(a), vc2 = _mm256_set1_ps(c2), vtiny = _mm256_set1_ps(tiny);
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 vt = _mm256_set1_ps(threshold);
-    for (; j + 8 <= V; j += 8) {
-      const __m256 bj = load8(b + j);
-      const __m256 e = _mm256_add_ps(
-          _mm256_fmadd_ps(va, _mm256_loadu_ps(wnorm + j), _mm256_mul_ps(vc2, _mm256_and_ps(bj, abs_mask))), vtiny);
-      for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(bj, e), vt, _CMP_GE_OQ)); hit; hit &= hit - 1)
-        if (!consider(j + __builtin_ctz(hit))) return -1;
-    }
+  const __m256 vt = _mm256_set1_ps(threshold);
+  for (; j + 8 <= V; j += 8) {
+    const __m256 bj = load8(b + j);
+    const __m256 upper = _mm256_add_ps(bj, error_bound8(va, _mm256_loadu_ps(wnorm + j), bj, bound));
+    for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(upper, vt, _CMP_GE_OQ)); hit; hit &= hit - 1)
+      if (!consider(j + __builtin_ctz(hit))) return -1;
   }
 #endif
   for (; j < V; ++j) {
     const float bj = to_f(b[j]);
-    if (bj + (a * wnorm[j] + c2 * std::fabs(bj) + tiny) >= threshold && !consider(j)) return -1;
+    if (bj + error_bound(a, wnorm[j], bj, bound) >= threshold && !consider(j)) return -1;
   }
   return best;
 }

@@ -100,10 +100,10 @@ class ModelRunner:
         self.kv_caches = []  # drop the old cache before allocating the new one
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.num_blocks = num_blocks
-        # On CPU the OS commits the cache's pages only as blocks fill up (torch.empty's
-        # untouched memory), so a 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB of resident
-        # memory for a small job (the planner already checked the budget against available RAM). Every
-        # backend reads only slots below a sequence's length, which were written first.
+        # On CPU the OS commits the cache's pages only as blocks fill up (torch.empty's untouched memory), so
+        # a 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB of resident memory for a small job
+        # (the planner already checked the budget against available RAM). Every backend reads only slots below
+        # a sequence's length, which were written first.
         self.kv_caches = [
             tuple(self._allocate_cache_tensor(shape) for _ in range(2))
             for _ in range(self.config.hf_config.num_hidden_layers)
