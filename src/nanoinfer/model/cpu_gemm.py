@@ -63,7 +63,7 @@ def pack_greedy_lm_head(weight: torch.Tensor) -> GreedyLMHead:
     # In float64, then up by more than float32's rounding: the bound holds only with norms no smaller than the
     # true ones.
     norms = (torch.linalg.vector_norm(weight, dim=1, dtype=torch.float64) * (1 + 1e-6)).float()
-    return GreedyLMHead(cpu_ops().pack_amx_weight(weight.to(torch.bfloat16), False), norms)
+    return GreedyLMHead(pack_weight(weight.to(torch.bfloat16), "amx").data, norms)
 
 
 def onednn_prepack_supported(dtype: torch.dtype) -> bool:
