@@ -29,6 +29,14 @@ static inline void prefetch_row(const T* row, int h0, int h1, int D) {
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
+// The same into L2 only.
+template <typename T>
+static inline void prefetch_row_l2(const T* row, int h0, int h1, int D) {
+  const char* p = reinterpret_cast<const char*>(row + (size_t)h0 * D);
+  const size_t bytes = (size_t)(h1 - h0) * D * sizeof(T);
+  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+}
+
 // exp(s - m) for a head's `len` scores, in place; returns their sum.
 static inline float softmax_numerators(float* sq, int len, float max) {
   const __m256 m = _mm256_set1_ps(max);
@@ -198,7 +206,7 @@ static inline void value_block(const T* v, const size_t* rows, int len, int t0, 
 // N = 24 / C query heads keeps its accumulators in registers over a block. Each output element still sums its tokens in order, one FMA each:
 // the same bits. float32, 64 sequences x 300 tokens x 30 layers, against the 4-token loop (old and new
 // alternated, with key_dots_f32): 3 / 4 rows a sequence run as one 1.16-1.21x / 1.22-1.26x faster, one row
-// the same. attend_amx takes it from eight query heads a KV head (see there).
+// the same. (attend_amx has a value pass of its own on tiles, value_pass_amx.)
 template <int C, typename T>
 static void value_pass_blocked(const T* v, const size_t* rows, int len, int G, int h0, int h1,
                                const float* const* probs, int ts, float* acc) {
@@ -373,6 +381,182 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
 #endif
 
 #ifdef NANOINFER_AMX
+// 16 x 16 dwords transposed in registers: element j of r[i] becomes element i of r[j]. Three rounds of
+// shuffles (dwords, then qwords within 128-bit lanes, then the lanes), 64 instructions.
+static inline void transpose16x16_epi32(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4 g + m], lane L: column m + 4 L of rows 4 g .. 4 g + 3.
+  __m512i u[16];
+  for (int g = 0; g < 16; g += 4) {
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[m + 4] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[m + 8] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[m + 12] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// The value pass on AMX for one group of attend_amx (KV heads [a, b), their query heads the 16 columns of
+// the key pass's scores, sg [token][16], the softmax numerators): acc[qh] (absolute query head, [D] each) =
+// sum over tokens of p(qh, t) v(t). One tile product per 32 tokens and 16 value dims serves the group's
+// query heads at once, where the AVX-512 pass ran an FMA per token, query head and 16 dims.
+// - A: the probabilities as 16 rows (columns of sg) of 32 tokens, in two bfloat16 parts p = hi + lo (hi
+//   rounded, lo the rest rounded), as the prefill's second product takes them: ~16 of p's bits (one rounding
+//   of p cost the prefill a third of its correctly rounded outputs).
+// - B: 32 tokens' values of one KV head, 16 dims a tile, tokens 2 i and 2 i + 1 interleaved dim by dim in
+//   row i; padding tokens past `len` are zeros.
+// - C: 16 x 16 float32 sums per 16 dims, in tiles over all blocks (64 dims at a time). Rows of another KV
+//   head's query heads multiply this head's values too; those rows are never read (a tile row's sums depend
+//   on its own A row alone, so every query head's bits are the same whatever shares its tile: a run of rows
+//   as one, or not).
+// Tokens go in blocks of 32 from the first, each block's products added hi then lo: a fixed order per query
+// head. Tiles: 0-3 sums, 4 / 5 the parts, 6 the values.
+// Measured standalone (30 layers, 190-400-token sequences in DRAM, 2 threads, old and new builds alternated):
+// 43 sequences of 4 rows (W's speculative runs) 27.6-28.8 -> 24.6-25.9 ms; 64 / 43 / 16 lone rows the same
+// as before (29.8 -> 29.2, 19.4 -> 19.2, 5.6 -> 5.8 ms); 2 lone rows 0.6 -> 0.8 ms (a tile product costs
+// the same for 3 live rows as for 16). The key pass asks for the value rows too (into L2): left to this
+// pass, its requests queued behind each other and lone rows ran 10% slower than the AVX-512 pass.
+static void value_pass_amx(const at::BFloat16* v, const size_t* rows, int len, int G, int D, int a, int b,
+                           const float* sg, float* acc) {
+  using bf16 = at::BFloat16;
+  const int CV = D / 16, nblk = (len + 31) / 32;
+  static thread_local std::vector<bf16> ptile_buf, vtile_buf;
+  static thread_local std::vector<float> cstage_buf;
+  ptile_buf.resize((size_t)nblk * 2 * kTileElems);
+  vtile_buf.resize((size_t)8 * kTileElems);
+  cstage_buf.resize((size_t)16 * 64);
+  bf16* ptiles = ptile_buf.data();  // [block][hi, lo][16 columns][32 tokens]
+  bf16* vtile = vtile_buf.data();
+  float* cstage = cstage_buf.data();  // [16 columns][64 dims]
+  // A tiles of every block, rows = sg's columns, each 32 tokens' parts in order (zero past len). With the
+  // group's query heads in at most 8 of the 16 columns (lone rows and split heads: G = 3 here), each live
+  // column is gathered on its own; otherwise every column goes at once, dword i of phi[c] / plo[c] holding
+  // tokens t0 + 2 i and t0 + 2 i + 1, transposed in registers. Both give a column the same bits. Dead
+  // columns' rows are left as they are: they only reach sums nobody reads.
+  const int live = (b - a) * G;
+  const __m512i stride16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+  auto bf16_bits = [](__m512 rounded) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)); };
+  for (int blk = 0; blk < nblk; ++blk) {
+    const int t0 = 32 * blk;
+    bf16* pt = ptiles + (size_t)blk * 2 * kTileElems;
+    if (live <= 8) {
+      const int n0 = std::clamp(len - t0, 0, 16), n1 = std::clamp(len - t0 - 16, 0, 16);
+      const __mmask16 m0 = (__mmask16)((1u << n0) - 1), m1 = (__mmask16)((1u << n1) - 1);
+      for (int c = 0; c < live; ++c) {
+        const float* base = sg + (size_t)t0 * 16 + c;
+        const __m512 x0 = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m0, stride16, base, 4);
+        const __m512 x1 = n1 ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m1, stride16, base + 256, 4)
+                             : _mm512_setzero_ps();
+        const __m512 h0 = rnd16(x0), h1 = rnd16(x1);
+        const __m512 l0 = rnd16(_mm512_sub_ps(x0, h0)), l1 = rnd16(_mm512_sub_ps(x1, h1));
+        bf16* hi_row = pt + 32 * c;
+        bf16* lo_row = pt + kTileElems + 32 * c;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi_row), bf16_bits(h0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi_row + 16), bf16_bits(h1));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo_row), bf16_bits(l0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo_row + 16), bf16_bits(l1));
+      }
+      continue;
+    }
+    __m512i phi[16], plo[16];
+    for (int i = 0; i < 16; ++i) {
+      const int t = t0 + 2 * i;
+      const __m512 x0 = t < len ? _mm512_loadu_ps(sg + (size_t)t * 16) : _mm512_setzero_ps();
+      const __m512 x1 = t + 1 < len ? _mm512_loadu_ps(sg + (size_t)(t + 1) * 16) : _mm512_setzero_ps();
+      const __m512 h0 = rnd16(x0), h1 = rnd16(x1);
+      const __m512i l0 = _mm512_castps_si512(rnd16(_mm512_sub_ps(x0, h0)));
+      const __m512i l1 = _mm512_castps_si512(rnd16(_mm512_sub_ps(x1, h1)));
+      phi[i] = _mm512_or_si512(_mm512_castps_si512(h1), _mm512_srli_epi32(_mm512_castps_si512(h0), 16));
+      plo[i] = _mm512_or_si512(l1, _mm512_srli_epi32(l0, 16));
+    }
+    transpose16x16_epi32(phi);
+    transpose16x16_epi32(plo);
+    for (int c = 0; c < 16; ++c) {
+      _mm512_storeu_si512(pt + 32 * c, phi[c]);
+      _mm512_storeu_si512(pt + kTileElems + 32 * c, plo[c]);
+    }
+  }
+  // B tiles of head h, tokens t0.. (see above), into vt: row i of tile j pairs tokens t0 + 2 i and t0 + 2 i + 1,
+  // dim by dim, for 16 of the dims [16 cv0, 16 (cv0 + nc)). An unpack interleaves within 128-bit lanes, so a
+  // 32-dim load of both tokens gives tile 2 c the dims 32 c + {0-3, 8-11, 16-19, 24-27} and tile 2 c + 1 the
+  // rest; the sums are put back in order when they leave the tiles. (permutex2var, in order, cost two
+  // shuffle cycles a row against one.)
+  auto build_values = [&](int h, int cv0, int nc, int t0, bf16* vt) {
+    for (int i = 0; i < 16; ++i) {
+      const int t = t0 + 2 * i;
+      const bf16* r0 = t < len ? v + rows[t] + (size_t)h * D + 16 * cv0 : nullptr;
+      const bf16* r1 = t + 1 < len ? v + rows[t + 1] + (size_t)h * D + 16 * cv0 : nullptr;
+      for (int j = 0; j < nc; j += 2) {
+        const __m512i x = r0 ? _mm512_loadu_si512(r0 + 16 * j) : _mm512_setzero_si512();
+        const __m512i y = r1 ? _mm512_loadu_si512(r1 + 16 * j) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vt + (size_t)j * kTileElems + 32 * i, _mm512_unpacklo_epi16(x, y));
+        _mm512_storeu_si512(vt + (size_t)(j + 1) * kTileElems + 32 * i, _mm512_unpackhi_epi16(x, y));
+      }
+    }
+  };
+  const __m512i order0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i order1 = _mm512_add_epi32(order0, _mm512_set1_epi32(8));
+  const int nblk_v = nblk;
+  for (int h = a; h < b; ++h) {
+    for (int cv0 = 0; cv0 < CV; cv0 += 4) {  // 64 dims at a time: four sum tiles
+      const int nc = std::min(4, CV - cv0);
+      _tile_zero(0);
+      _tile_zero(1);
+      if (nc > 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      // Two buffers: a block's values are built while the previous block's products run, and the tile loads
+      // read stores an iteration old.
+      build_values(h, cv0, nc, 0, vtile);
+      for (int blk = 0; blk < nblk_v; ++blk) {
+        const int t0 = 32 * blk;
+        bf16* cur = vtile + (size_t)(blk % 2) * 4 * kTileElems;
+        if (blk + 1 < nblk_v) build_values(h, cv0, nc, t0 + 32, vtile + (size_t)((blk + 1) % 2) * 4 * kTileElems);
+        const bf16* pt = ptiles + (size_t)blk * 2 * kTileElems;
+        _tile_loadd(4, pt, 64);
+        _tile_loadd(5, pt + kTileElems, 64);
+#define NANOINFER_PV(j)                                           \
+  if (nc > j) {                                                   \
+    _tile_loadd(6, cur + (size_t)j * kTileElems, 64);             \
+    _tile_dpbf16ps(j, 4, 6);                                      \
+    _tile_dpbf16ps(j, 5, 6);                                      \
+  }
+        NANOINFER_PV(0) NANOINFER_PV(1) NANOINFER_PV(2) NANOINFER_PV(3)
+#undef NANOINFER_PV
+      }
+      _tile_stored(0, cstage, 256);
+      _tile_stored(1, cstage + 16, 256);
+      if (nc > 2) {
+        _tile_stored(2, cstage + 32, 256);
+        _tile_stored(3, cstage + 48, 256);
+      }
+      for (int g = 0; g < G; ++g) {
+        const float* src = cstage + (size_t)((h - a) * G + g) * 64;
+        float* dst = acc + (size_t)(h * G + g) * D + 16 * cv0;
+        for (int j = 0; j < nc; j += 2) {
+          const __m512 lo = _mm512_loadu_ps(src + 16 * j), hi = _mm512_loadu_ps(src + 16 * j + 16);
+          _mm512_storeu_ps(dst + 16 * j, _mm512_permutex2var_ps(lo, order0, hi));
+          _mm512_storeu_ps(dst + 16 * j + 16, _mm512_permutex2var_ps(lo, order1, hi));
+        }
+      }
+    }
+  }
+}
+
 // The key pass on AMX, for bfloat16 queries over a bfloat16 cache: one tile product gives 16 tokens' scores
 // for up to 16 query heads. The keys are read in place as A tiles (16 tokens' rows, 32 dims of one KV head
 // each; row stride Hkv * D); the queries are packed once per sequence as B tiles, each KV head's 32-dim chunk
@@ -383,7 +567,7 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
 // alternated): cache in L3 17.0 -> 13.6 ms; cache in DRAM 23.2 -> 22.6 ms, where both passes now wait on
 // memory (each alone at ~11-15 GB/s of the ~20 this VM reads) and the softmax's exponentials take ~13%.
 // The scores stay token-major ([token][16 columns], as the tile stores them): the softmax runs with query
-// heads as lanes and the value pass reads them with a stride of 16.
+// heads as lanes, and value_pass_amx turns them into rows of tokens for its tiles.
 // One sequence, KV heads [h0, h1): qb its bfloat16 queries [Hq, D] (D a multiple of 32, G <= 16); acc [Hq, D]
 // scratch; out its output rows [Hq, D].
 // Several query rows of one sequence (speculative decoding's consecutive tokens) go through as one row with
@@ -403,12 +587,10 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
   const int64_t stride = (int64_t)row_len * sizeof(bf16);
   static thread_local std::vector<float> scores_buf, inv_buf;
   static thread_local std::vector<bf16> qpack_buf, pad_buf;
-  static thread_local std::vector<const float*> probs;
   scores_buf.resize((size_t)groups * lp * 16);
   inv_buf.resize(nq);
   qpack_buf.resize((size_t)hg * CD * kTileElems);
   pad_buf.resize((size_t)32 * row_len);
-  probs.resize(nq);
   bf16* qpack = qpack_buf.data();
   bf16* pad = pad_buf.data();
   for (int gi = 0; gi < groups; ++gi) {
@@ -444,7 +626,14 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
       }
       // The next 32 tokens' keys, while these compute (a few percent; prefetching 64-128 tokens ahead, or
       // into L2, measured the same).
-      for (int t = t0 + 32; t < std::min(len, t0 + 64); ++t) prefetch_row(k + rows[t], a, b, D);
+      // The values of these tokens too, into L2, for the value pass after the softmax (a sequence's value
+      // rows fit there); asked for in the value pass instead, the requests queued behind each other.
+      for (int t = t0 + 32; t < std::min(len, t0 + 64); ++t) {
+        prefetch_row(k + rows[t], a, b, D);
+        prefetch_row_l2(v + rows[t], a, b, D);
+      }
+      if (t0 == 0)
+        for (int t = 0; t < std::min(len, 32); ++t) prefetch_row_l2(v + rows[t], a, b, D);
       _tile_zero(0);
       _tile_zero(1);
       for (int j = 0; j < nch; ++j) {
@@ -491,21 +680,9 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
     }
     alignas(64) float sums[16];
     _mm512_store_ps(sums, sum);
-    for (int qh = a * G; qh < b * G; ++qh) {
-      probs[qh - q0] = sg + (qh - a * G);
-      inv_buf[qh - q0] = 1.f / sums[qh - a * G];
-    }
+    for (int qh = a * G; qh < b * G; ++qh) inv_buf[qh - q0] = 1.f / sums[qh - a * G];
+    value_pass_amx(v, rows, len, G, D, a, b, sg, acc);
   }
-  // Eight or more query heads a KV head (SmolLM2's runs of 3-5 rows under speculative decoding, G = 9-15) take
-  // value_pass_blocked, the same bits: the whole kernel 1.06-1.08x faster at 4 rows a sequence (2-43 sequences
-  // x ~330 tokens x 30 layers, both passes in one build, alternated); at one and two rows (G = 3, 6) the two
-  // measured the same.
-  if (D == 64 && G >= 8)
-    value_pass_blocked<4>(v, rows, len, G, h0, h1, probs.data(), 16, acc);
-  else if (D == 128 && G >= 8)
-    value_pass_blocked<8>(v, rows, len, G, h0, h1, probs.data(), 16, acc);
-  else
-    value_pass_avx512(v, rows, len, G, D, h0, h1, probs.data(), 16, acc);
   for (int j = 0; j < nq; ++j) {
     const __m512 inv = _mm512_set1_ps(inv_buf[j]);
     for (int d = 0; d < D; d += 16)
