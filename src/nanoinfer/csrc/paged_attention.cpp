@@ -317,7 +317,12 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
     for (int i = 0; i < nt; ++i) {
       const int t = t0 + i;
       const T* row = k + rows[t];
-      if (t + kPrefetchRows < len) prefetch_row(k + rows[t + kPrefetchRows], h0, h1, D);
+      if (t + kPrefetchRows < len) {
+        prefetch_row(k + rows[t + kPrefetchRows], h0, h1, D);
+        // The value rows too, into L2 (a sequence's fit there), for the value pass after the softmax: it
+        // then reads them from cache, where its own requests 4 rows ahead waited on DRAM.
+        prefetch_row_l2(v + rows[t + kPrefetchRows], h0, h1, D);
+      }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (qb != nullptr) {
