@@ -7,7 +7,8 @@ sources) and take turns on the same inputs:
 
 - gemm: a decode step's linears (SmolLM2's four shapes) for 30 layers' distinct weights, at 16/32/64 rows
   (`--rows`);
-- decode: whole engine decode steps on the default model (64 sequences, 150-250-token prompts).
+- decode: whole engine decode steps on the default model (64 sequences, 150-250-token prompts);
+- attention: paged decode attention alone, 30 layers' caches, `--batch` sequences x `--run-rows` rows.
 
 Usage (build names as in ~/.cache/torch_extensions/<py>_cpu/; `python -c "from nanoinfer.cpu_ops import
 cpu_ops; print(cpu_ops())"` prints the current one, and `git stash` + the same line builds the old one):
@@ -97,22 +98,60 @@ def ab_decode(builds: dict, reps: int, batch: int, dtype: str) -> None:
         print(f"{name}: best {min(values):.1f} ms per decode step of {batch}, all {[round(v, 1) for v in values]}")
 
 
+def ab_attention(builds: dict, reps: int, batch: int, run_rows: int, dtype: str) -> None:
+    """paged_decode alone over 30 layers' caches (too big for cache, as in W): `batch` sequences of 190-400
+    tokens, each `run_rows` consecutive rows (speculative decoding's runs; 1 = lone rows), SmolLM2's heads."""
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_kv_heads, num_heads, head_dim = 16, 3, 9, 64
+    lens = torch.randint(190, 400, (batch,), generator=gen).tolist()
+    blocks = [-(-(n + run_rows) // block_size) for n in lens]
+    shape = (sum(blocks), block_size, num_kv_heads, head_dim)
+    layers = [(torch.randn(shape, generator=gen).to(torch_dtype), torch.randn(shape, generator=gen).to(torch_dtype))
+              for _ in range(30)]  # fmt: skip
+    order = torch.randperm(shape[0], generator=gen).tolist()
+    tables, seq_lens, used = [], [], 0
+    for n, b in zip(lens, blocks):
+        table = order[used : used + b] + [0] * (max(blocks) - b)
+        used += b
+        for i in range(run_rows):
+            tables.append(table)
+            seq_lens.append(n + i + 1)
+    tables_t = torch.tensor(tables, dtype=torch.int32)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(torch_dtype)
+    best = dict.fromkeys(builds, float("inf"))
+    for _ in range(reps):
+        for name, ops in builds.items():
+            start = time.perf_counter()
+            for k_cache, v_cache in layers:
+                ops.paged_decode(query, k_cache, v_cache, tables_t, lens_t, head_dim**-0.5)
+            best[name] = min(best[name], time.perf_counter() - start)
+    print(f"{batch} sequences x {run_rows} rows, {dtype}, 30 layers: "
+          + "  ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in best.items()))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", help="build name of the CPU kernels, e.g. nanoinfer_cpu_ops_0123456789ab")
     parser.add_argument("b", help="the other build")
-    parser.add_argument("--what", choices=("gemm", "decode"), default="gemm")
+    parser.add_argument("--what", choices=("gemm", "decode", "attention"), default="gemm")
     parser.add_argument("--reps", type=int, default=None, help="turns per build (default: 10 gemm, 3 decode)")
-    parser.add_argument("--batch", type=int, default=64, help="decode: sequences per step")
+    parser.add_argument("--batch", type=int, default=64, help="decode, attention: sequences per step")
+    parser.add_argument("--run-rows", type=int, default=4, help="attention: consecutive rows a sequence")
     parser.add_argument("--rows", default="16,32,64", help="gemm: the row counts, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="decode: the model's dtype")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="decode, attention: the dtype"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     builds = {"A": load_build(args.a), "B": load_build(args.b)}
     print(f"A = {args.a}, B = {args.b}, {args.threads} threads")
     if args.what == "gemm":
         ab_gemm(builds, args.reps or 10, [int(r) for r in args.rows.split(",")])
+    elif args.what == "attention":
+        ab_attention(builds, args.reps or 7, args.batch, args.run_rows, args.dtype)
     else:
         ab_decode(builds, args.reps or 3, args.batch, args.dtype)
 
