@@ -453,7 +453,6 @@ static void value_pass_amx(const at::BFloat16* v, const size_t* rows, int len, i
   const int live = (b - a) * G;
   const __m512i stride16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(16));
-  auto bf16_bits = [](__m512 rounded) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)); };
   for (int blk = 0; blk < nblk; ++blk) {
     const int t0 = 32 * blk;
     bf16* pt = ptiles + (size_t)blk * 2 * kTileElems;
@@ -467,12 +466,10 @@ static void value_pass_amx(const at::BFloat16* v, const size_t* rows, int len, i
                              : _mm512_setzero_ps();
         const __m512 h0 = rnd16(x0), h1 = rnd16(x1);
         const __m512 l0 = rnd16(_mm512_sub_ps(x0, h0)), l1 = rnd16(_mm512_sub_ps(x1, h1));
-        bf16* hi_row = pt + 32 * c;
-        bf16* lo_row = pt + kTileElems + 32 * c;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi_row), bf16_bits(h0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi_row + 16), bf16_bits(h1));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo_row), bf16_bits(l0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo_row + 16), bf16_bits(l1));
+        store16(pt + 32 * c, h0);
+        store16(pt + 32 * c + 16, h1);
+        store16(pt + kTileElems + 32 * c, l0);
+        store16(pt + kTileElems + 32 * c + 16, l1);
       }
       continue;
     }
@@ -592,7 +589,7 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
   const int64_t stride = (int64_t)row_len * sizeof(bf16);
   static thread_local std::vector<float> scores_buf, inv_buf;
   static thread_local std::vector<bf16> qpack_buf, pad_buf;
-  scores_buf.resize((size_t)groups * lp * 16);
+  scores_buf.resize((size_t)lp * 16);  // one group's at a time: its value pass runs right after its softmax
   inv_buf.resize(nq);
   qpack_buf.resize((size_t)hg * CD * kTileElems);
   pad_buf.resize((size_t)32 * row_len);
@@ -600,7 +597,7 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
   bf16* pad = pad_buf.data();
   for (int gi = 0; gi < groups; ++gi) {
     const int a = h0 + gi * hg, b = std::min(h1, a + hg), nch = (b - a) * CD;
-    float* sg = scores_buf.data() + (size_t)gi * lp * 16;
+    float* sg = scores_buf.data();
     // B tiles: chunk j (head a + j / CD, dims 32 (j % CD)..): row kk / 2 holds dims kk, kk + 1 of column n.
     std::fill(qpack, qpack + (size_t)nch * kTileElems, bf16(0.f));
     for (int j = 0; j < nch; ++j) {
