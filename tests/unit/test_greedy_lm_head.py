@@ -1,6 +1,8 @@
-"""Greedy tokens of a float32 LM head from its bfloat16 copy (csrc/greedy_lm_head.cpp): always the argmax of
-the float32 logits our panel GEMM computes, bit for bit, including near-ties bfloat16 cannot tell apart and exact
-ties (the first index wins). Runs where the CPU has AMX; elsewhere the path is never taken."""
+"""Greedy tokens without the LM head's logits, on CPUs with AMX (elsewhere neither path is taken):
+- float32, from its bfloat16 copy (csrc/greedy_lm_head.cpp): always the argmax of the float32 logits our panel
+  GEMM computes, bit for bit, including near-ties bfloat16 cannot tell apart and exact ties (the first index wins);
+- bfloat16, in the AMX GEMM's epilogue (csrc/amx_gemm.cpp, amx_greedy_argmax): the argmax of the bfloat16 logits
+  amx_linear would have written, ties and all."""
 
 from __future__ import annotations
 
@@ -93,4 +95,83 @@ def test_a_float32_model_takes_it_and_generates_what_the_full_logits_give(defaul
     assert calls  # the greedy rows went through it
     lm_head.greedy_head = None  # the full float32 logits and the sampler's argmax
     full = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert fast == full
+
+
+# ---- bfloat16: the argmax taken in the AMX GEMM's epilogue --------------------------------------------------
+
+
+def _bfloat16_picks(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amx_greedy_argmax's tokens, torch.argmax of the bfloat16 logits amx_linear writes with the same weight)."""
+    packed = pack_weight(weight, "amx")
+    picked = cpu_ops().amx_greedy_argmax(hidden, packed.data, weight.shape[0])
+    full = torch.argmax(linear(hidden, weight, None, packed), dim=-1)
+    return picked, full
+
+
+# Vocabularies a multiple of a pair's 32 columns and not (a partial pair, one of under 16 columns); hidden sizes a
+# multiple of 32 and not; rows within one 16-row block, across blocks and across 256-row runs.
+@pytest.mark.parametrize("vocab, hidden_size", [(4096, 576), (1000, 64), (37, 96), (9, 32)])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_the_bfloat16_argmax_without_writing_the_logits(vocab, hidden_size, rows):
+    gen = torch.Generator().manual_seed(vocab + rows)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).bfloat16()
+    hidden = (torch.randn(rows, hidden_size, generator=gen) * 3).bfloat16()
+    picked, full = _bfloat16_picks(hidden, weight)
+    assert picked.dtype == torch.long and torch.equal(picked, full)
+
+
+def test_bfloat16_ties_go_to_the_first_index_across_pairs_and_threads():
+    """Equal logits in one pair and in pairs far apart (which two threads may run in either order)."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, hidden_size = 2048, 64
+    weight = torch.randn(vocab, hidden_size, generator=gen) * 0.05
+    top = torch.randn(hidden_size, generator=gen)
+    for j in (5, 6, 1500, 2047):  # exact duplicates: one pair's neighbours, then far away
+        weight[j] = top
+    weight = weight.bfloat16()
+    hidden = torch.stack([top, top * 2, -top, torch.zeros(hidden_size)]).bfloat16()
+    picked, full = _bfloat16_picks(hidden, weight)
+    assert torch.equal(picked, full)
+    assert picked[3] == 0  # every logit 0: the first index
+
+
+def test_bfloat16_rows_with_a_nan_are_left_to_the_full_path():
+    from nanoinfer.model.layers import ParallelLMHead
+
+    gen = torch.Generator().manual_seed(4)
+    head = ParallelLMHead(300, 64).bfloat16()
+    head.weight.data = torch.randn(300, 64, generator=gen).bfloat16()
+    hidden = torch.randn(3, 64, generator=gen).bfloat16()
+    expected = torch.argmax(hidden.float() @ head.weight.data.float().t(), dim=-1)
+    head.packed_weight = pack_weight(head.weight, "amx")
+    hidden[1, 7] = float("nan")
+    assert cpu_ops().amx_greedy_argmax(hidden, head.packed_weight.data, 300).tolist()[1] == -1
+    picked = head.greedy_token_ids(hidden).tolist()
+    assert picked[1] == torch.argmax(head(hidden[1:2]), dim=-1).item()  # torch's answer for that row
+    assert picked[0] == expected[0] and picked[2] == expected[2]
+
+
+def test_a_bfloat16_model_takes_it_and_generates_what_the_full_logits_give(default_model_dir):
+    from nanoinfer import LLM, SamplingParams
+    from nanoinfer.model.layers import ParallelLMHead
+
+    llm = LLM(str(default_model_dir), dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.25, max_num_seqs=8,
+              num_speculative_tokens=3)
+    lm_head = llm.engine.model_runner.model.lm_head
+    assert lm_head.has_greedy_kernel and lm_head.packed_weight.kind == "amx"
+    prompts = [[(7 * i + 3 * j) % 5000 + 1 for j in range(20 + 9 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    calls = []
+    pick = lm_head.greedy_token_ids
+    lm_head.greedy_token_ids = lambda h: calls.append(len(h)) or pick(h)
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls  # the greedy rows went through it
+    # The full bfloat16 logits and the sampler's argmax.
+    original = ParallelLMHead.has_greedy_kernel
+    ParallelLMHead.has_greedy_kernel = property(lambda self: False)
+    try:
+        full = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        ParallelLMHead.has_greedy_kernel = original
     assert fast == full

@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -84,6 +85,38 @@ inline void store16_masked(bf16* out, __m512 v, int n) {
   _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << n) - 1), b);
 }
 
+// Greedy mode (amx_greedy_argmax): a row's largest logit so far, as bfloat16 would hold it, and its first index
+// (-1 before any); `nan` marks a row whose sums hold a NaN (the caller computes its logits in full). Each
+// thread keeps its own over the pairs it runs; they are merged by the same rule at the end.
+struct RowBest {
+  float value = -std::numeric_limits<float>::infinity();
+  int32_t index = -1;
+  int32_t nan = 0;
+  // Does (value, index) beat this one? Larger wins; on a tie the lower index, as torch.argmax takes the first.
+  bool beaten_by(float v, int64_t i) const { return index < 0 || v > value || (v == value && i < index); }
+};
+
+// One row's 32 sums of a pair (ncols of them valid, column col0 first) into its RowBest: rounded to bfloat16
+// (rnd16 is store16_masked's rounding on finite values), the largest and the first lane holding it.
+inline void update_best(const float* row, int ncols, int64_t col0, RowBest& best) {
+  const __mmask16 m0 = (__mmask16)(ncols >= TN ? 0xFFFFu : (1u << ncols) - 1);
+  const __mmask16 m1 = (__mmask16)(ncols <= TN ? 0u : ncols >= 2 * TN ? 0xFFFFu : (1u << (ncols - TN)) - 1);
+  const __m512 r0 = _mm512_load_ps(row), r1 = _mm512_load_ps(row + TN);
+  if (_mm512_mask_cmp_ps_mask(m0, r0, r0, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m1, r1, r1, _CMP_UNORD_Q)) {
+    best.nan = 1;
+    return;
+  }
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 v0 = _mm512_mask_mov_ps(ninf, m0, rnd16(r0)), v1 = _mm512_mask_mov_ps(ninf, m1, rnd16(r1));
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+  if (!best.beaten_by(top, col0)) return;  // not even at the pair's first column: most pairs end here
+  const __m512 t = _mm512_set1_ps(top);
+  const uint32_t hit = _mm512_mask_cmp_ps_mask(m0, v0, t, _CMP_EQ_OQ) |
+                       ((uint32_t)_mm512_mask_cmp_ps_mask(m1, v1, t, _CMP_EQ_OQ) << TN);
+  const int64_t index = col0 + __builtin_ctz(hit);
+  if (best.beaten_by(top, index)) best.value = top, best.index = (int32_t)index;
+}
+
 // A block's sums (c [16][32]) on their way to the output: `rows` rows, `ncols` valid outputs of the pair at out
 // (row stride ldc), the first `done` of them written. Gated: gate and up rounded to bfloat16, silu(gate)
 // rounded, the product rounded: silu_mul_row's steps on 16 lanes (exp16 is exp8's), so the bits are those of
@@ -98,12 +131,18 @@ struct Epilogue {
   int64_t ldc = 0;
   int ncols = 0;
   const float* bias = nullptr;
+  RowBest* best = nullptr;  // greedy mode: the block's rows' RowBest, in place of out
+  int64_t col0 = 0;         // greedy mode: the pair's first column
 
   template <bool GATED>
   void write_rows_until(int end) {
     const __m512 one = _mm512_set1_ps(1.f);
     for (end = std::min(end, rows); done < end; ++done) {
       const float* row = c + done * PAIR_COLS;
+      if (!GATED && best) {
+        update_best(row, ncols, col0, best[done]);
+        continue;
+      }
       bf16* o = out + done * ldc;
       if constexpr (GATED) {
         const __m512 g = rnd16(_mm512_load_ps(row)), u = rnd16(_mm512_load_ps(row + TN));
@@ -176,9 +215,10 @@ struct alignas(64) PairRange {
   }
 };
 
+// out [M, N], or (best, not GATED) no output: best [threads][M] collects each row's RowBest instead.
 template <bool GATED>
 void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, int64_t KB, const float* bias,
-             bf16* out, int64_t N) {
+             bf16* out, int64_t N, RowBest* best = nullptr) {
   const int64_t KP = KB * TK;
   const int64_t cols = GATED ? TN : PAIR_COLS;  // outputs of a pair
   // Rows read in place: whole blocks when K is a multiple of 32. The rest from a zero-padded copy.
@@ -249,7 +289,8 @@ void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, 
           block<GATED, true>(xa, lda, xt, bp, KB, c, pf, pf_lines, prev, rows_per_step);
         else
           block<GATED, false>(xa, lda, xt, bp, KB, c, pf, pf_lines, prev, rows_per_step);
-        prev = Epilogue{c, rows, 0, out + m0 * N + p * cols, N, ncols, biasp};
+        prev = best ? Epilogue{c, rows, 0, nullptr, N, ncols, nullptr, best + t * M + m0, p * cols}
+                    : Epilogue{c, rows, 0, out + m0 * N + p * cols, N, ncols, biasp};
       }
     };
     auto pair_ptr = [&](int64_t p) { return b + p * KB * PAIR_STEP; };
@@ -311,4 +352,41 @@ torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed
   }
 #endif
   return io.out.view(io.sizes);
+}
+
+// Greedy tokens of a bfloat16 LM head: hidden [R, K] bfloat16 times a weight from pack_amx_weight -> [R] int64,
+// the argmax of each row of amx_linear's logits (the first index on a tie), or -1 for a row whose logits hold
+// a NaN (the caller computes those in full: torch.argmax takes the first NaN). The logits are never written:
+// each block's sums go straight into its rows' running maxima, where amx_linear stores [R, V] bfloat16 (17 MB
+// for a 174-row step of W) that the sampler then reads back.
+torch::Tensor amx_greedy_argmax(const torch::Tensor& hidden, const torch::Tensor& packed, int64_t N) {
+  TORCH_CHECK(amx_available(), "amx_greedy_argmax: this CPU (or build) has no AMX bfloat16");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "amx_greedy_argmax: bfloat16 hidden states [rows, hidden] and weight");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == TK / 2 && packed.size(4) == PAIR_COLS &&
+                  packed.size(0) == (N + PAIR_COLS - 1) / PAIR_COLS,
+              "amx_greedy_argmax: weight not packed by pack_amx_weight for ", N, " outputs");
+  const int64_t K = hidden.size(1), KB = packed.size(1), M = hidden.size(0);
+  TORCH_CHECK((K + TK - 1) / TK == KB, "amx_greedy_argmax: hidden has ", K, " features, weight ", KB * TK, " (padded)");
+  auto out = torch::empty({M}, torch::kLong);
+#ifdef NANOINFER_AMX
+  if (M > 0) {
+    const auto x = hidden.contiguous();
+    const int threads = at::get_num_threads();
+    std::vector<RowBest> best(threads * M);
+    run_amx<false>(x.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), packed.size(0), KB, nullptr, nullptr, N,
+                   best.data());
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      RowBest row = best[m];
+      for (int t = 1; t < threads; ++t) {
+        const RowBest& other = best[t * M + m];
+        row.nan |= other.nan;
+        if (other.index >= 0 && row.beaten_by(other.value, other.index)) row.value = other.value, row.index = other.index;
+      }
+      op[m] = row.nan ? -1 : row.index;
+    }
+  }
+#endif
+  return out;
 }

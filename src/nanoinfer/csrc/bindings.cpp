@@ -27,6 +27,7 @@ torch::Tensor pack_amx_weight(const torch::Tensor& weight, bool gated);
 torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed,
                          const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
 bool amx_available();
+torch::Tensor amx_greedy_argmax(const torch::Tensor& hidden, const torch::Tensor& packed, int64_t N);
 torch::Tensor greedy_lm_head(const torch::Tensor& hidden, const torch::Tensor& amx_packed,
                              const torch::Tensor& weight_norms, const torch::Tensor& panels, int64_t V);
 
@@ -62,6 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(x Wg^T) * (x Wu^T) with the roundings of the separate bfloat16 ops",
         pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"),
         pybind11::arg("gated") = false);
+  m.def("amx_greedy_argmax", &amx_greedy_argmax,
+        "argmax of each row of amx_linear(hidden, packed)'s bfloat16 logits (first index on a tie) without "
+        "writing them; -1 for a row with a NaN",
+        pybind11::arg("hidden"), pybind11::arg("packed"), pybind11::arg("out_features"));
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of float32 logits x W^T (W panel-packed) found from bfloat16 AMX logits and an error bound, "
         "confirmed in float32 on the candidates; -1 for a row to compute in full",

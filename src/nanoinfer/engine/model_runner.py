@@ -165,7 +165,7 @@ class ModelRunner:
             return {}
         hidden_states = hidden_states[sample_indices]
         lm_head = self.model.lm_head
-        if lm_head.greedy_head is not None and all(s.params.is_plain_greedy for s in sample_seqs):
+        if lm_head.has_greedy_kernel and all(s.params.is_plain_greedy for s in sample_seqs):
             return group_by_sequence(sample_seqs, lm_head.greedy_token_ids(hidden_states).tolist())
         logits = self.model.compute_logits(hidden_states)
         return group_by_sequence(sample_seqs, self.sampler(logits, sample_seqs))

@@ -214,15 +214,27 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits
 
+    @property
+    def has_greedy_kernel(self) -> bool:
+        """Does greedy_token_ids skip writing the logits here? float32 with its bfloat16 copy (greedy_head), or
+        bfloat16 packed for AMX (the argmax taken in the GEMM's epilogue)."""
+        packed = self.packed_weight
+        return self.greedy_head is not None or (packed is not None and packed.kind == "amx" and self.tp_size == 1)
+
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The argmax of forward(hidden_states) a row (the first index on a tie), from the bfloat16 copy where
-        there is one (float32 on a CPU with AMX): the same tokens, without the float32 product."""
-        head = self.greedy_head
-        if head is None or hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu":
+        """The argmax of forward(hidden_states) a row (the first index on a tie), without the logits where a
+        kernel allows: float32 from the bfloat16 copy (a CPU with AMX), the same tokens without the float32
+        product; bfloat16 on AMX from the GEMM's sums as they are rounded, never stored."""
+        head, packed = self.greedy_head, self.packed_weight
+        on_cpu = hidden_states.device.type == "cpu" and hidden_states.dim() == 2
+        if on_cpu and head is not None and hidden_states.dtype == torch.float32:
+            token_ids = cpu_ops().greedy_lm_head(
+                hidden_states, head.amx_packed, head.weight_norms, packed.data, packed.out_features
+            )
+        elif on_cpu and self.has_greedy_kernel and hidden_states.dtype == torch.bfloat16:
+            token_ids = cpu_ops().amx_greedy_argmax(hidden_states, packed.data, packed.out_features)
+        else:
             return torch.argmax(self(hidden_states), dim=-1)
-        token_ids = cpu_ops().greedy_lm_head(
-            hidden_states, head.amx_packed, head.weight_norms, self.packed_weight.data, self.packed_weight.out_features
-        )
         full = (token_ids < 0).nonzero().flatten()  # rows whose hidden state or bfloat16 logits are not finite
         if len(full):
             token_ids[full] = torch.argmax(self(hidden_states[full]), dim=-1)
