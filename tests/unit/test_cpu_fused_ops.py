@@ -45,6 +45,26 @@ def test_fused_add_rms_norm_updates_both_in_place():
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hidden", [576, 96, 100])
+@pytest.mark.parametrize("rows", [2, 7, 64, 301])
+def test_bfloat16_fused_add_rms_norm_rows_in_pairs_keep_each_rows_bits(hidden, rows):
+    """bfloat16 rows go two at a time where AVX-512 is built (csrc/fused_ops.cpp, add_norm_rows2): each row's
+    bits must be those it gets alone (one row a call takes the one-row path), in the residual and the output."""
+    gen = torch.Generator().manual_seed(hidden + rows)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).bfloat16()
+    residual = torch.randn(rows, hidden, generator=gen).bfloat16()
+    w = torch.randn(hidden, generator=gen).bfloat16()
+    together_x, together_r = x.clone(), residual.clone()
+    cpu_ops().fused_add_rms_norm(together_x, together_r, w, 1e-6)
+    alone_x, alone_r = x.clone(), residual.clone()
+    for i in range(rows):
+        cpu_ops().fused_add_rms_norm(alone_x[i : i + 1], alone_r[i : i + 1], w, 1e-6)
+    assert torch.equal(together_r.view(torch.int16), alone_r.view(torch.int16))
+    assert torch.equal(together_x.view(torch.int16), alone_x.view(torch.int16))
+    expected = torch_rms_norm(alone_r.float(), w.float(), 1e-6)
+    torch.testing.assert_close(together_x.float(), expected, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("intermediate", [1536, 100])
 def test_silu_and_mul(intermediate):
     x = torch.randn(17, 2 * intermediate, generator=torch.Generator().manual_seed(2)) * 8  # deep in both tails
