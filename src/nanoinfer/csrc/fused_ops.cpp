@@ -13,10 +13,10 @@ namespace {
 // Rows per thread: at least ~64K elements, so a decode step's small tensors stay on one thread (waking the
 // other cost more than it saved: silu_and_mul of 64 x 1536 took 0.24 ms on one thread, 0.9 ms on two).
 inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(row_elems, 1)); }
-// fused_add_rms_norm's: ~16K elements (28 rows of 576). It runs between the decode step's GEMMs, whose
-// threads are still spinning, so the other thread joins in a microsecond or two: at 100 rows of 576 (W's
-// middle decode steps) one thread took 35 us, two 20 us.
-inline int64_t norm_row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+// fused_add_rms_norm's and rotary's: ~16K elements (28 rows of 576). They run between a decode step's GEMMs,
+// whose threads are still spinning, so the other thread joins in a microsecond or two: at 100 rows of 576
+// (W's middle decode steps) the norm took 35 us on one thread, 20 on two; rotary at 64 rows 24 -> 14 us.
+inline int64_t step_row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
 // sum(x^2) over n floats.
 inline float sum_squares(const float* x, int64_t n) {
@@ -81,7 +81,7 @@ inline void scale_row16(const bf16* x, const bf16* weight, bf16* out, int64_t n,
 // sum of squares taken from the sums in registers, in normalize_row's order (8 lanes, ascending: the low
 // then the high half of each 16), so the bits are those of add_row then normalize_row. One row's sum is a
 // chain of n / 8 dependent multiply-adds; two rows' interleaved, each waits half as long on its own.
-// Measured (2 threads, 576 wide, with norm_row_grain): 100 / 64 / 16 rows (decode) 35 / 24 / 5.8 -> 14 / 10 /
+// Measured (2 threads, 576 wide, with step_row_grain): 100 / 64 / 16 rows (decode) 35 / 24 / 5.8 -> 14 / 10 /
 // 4.3 us; 8,919 rows (W's prefill) 1.40 -> 1.02 ms.
 inline void add_norm_rows2(bf16* x0, bf16* r0, bf16* x1, bf16* r1, const bf16* weight, int64_t n, float eps) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -162,7 +162,7 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
     T* xp = x.data_ptr<T>();
     T* rp = residual.data_ptr<T>();
     const T* wp = w.data_ptr<T>();
-    at::parallel_for(0, T_, norm_row_grain(n), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, T_, step_row_grain(n), [&](int64_t begin, int64_t end) {
       int64_t r = begin;
 #ifdef NANOINFER_AVX512
       if constexpr (std::is_same_v<T, bf16>) {
@@ -207,6 +207,18 @@ static void rotary_impl(const int64_t* pos, T* qp, T* kp, const torch::Tensor& q
   auto rotate = [&](T* base, int64_t heads, int64_t token_stride, int64_t head_stride, int64_t t) {
     const float* c = cp + pos[t] * D;
     const float* s = sp + pos[t] * D;
+#ifdef NANOINFER_AVX512
+    // bfloat16 with head_dim up to 128: the position's cos / sin, rounded, once for all its heads (rounding
+    // them again per head: 64 / 174 rows x 12 heads 14 / 33 -> 12.5-13 / 28-29 us).
+    constexpr int kMaxChunks = 4;  // of 16 lanes, in half a head
+    __m512 rc1[kMaxChunks], rc2[kMaxChunks], rs1[kMaxChunks], rs2[kMaxChunks];
+    const bool hoisted = kBf16 && half % 16 == 0 && half <= 16 * kMaxChunks;
+    if (hoisted)
+      for (int64_t j = 0; j < half / 16; ++j) {
+        rc1[j] = rnd16(_mm512_loadu_ps(c + 16 * j)), rc2[j] = rnd16(_mm512_loadu_ps(c + 16 * j + half));
+        rs1[j] = rnd16(_mm512_loadu_ps(s + 16 * j)), rs2[j] = rnd16(_mm512_loadu_ps(s + 16 * j + half));
+      }
+#endif
     for (int64_t h = 0; h < heads; ++h) {
       T* x = base + t * token_stride + h * head_stride;
       int64_t i = 0;
@@ -214,8 +226,11 @@ static void rotary_impl(const int64_t* pos, T* qp, T* kp, const torch::Tensor& q
       if constexpr (kBf16) {  // the scalar loop's roundings, 16 (or 8) lanes at a time: 55 -> ~15 us a W step
         for (; i + 16 <= half; i += 16) {
           const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
-          const __m512 c1 = rnd16(_mm512_loadu_ps(c + i)), c2 = rnd16(_mm512_loadu_ps(c + i + half));
-          const __m512 s1 = rnd16(_mm512_loadu_ps(s + i)), s2 = rnd16(_mm512_loadu_ps(s + i + half));
+          const int64_t j = i / 16;
+          const __m512 c1 = hoisted ? rc1[j] : rnd16(_mm512_loadu_ps(c + i));
+          const __m512 c2 = hoisted ? rc2[j] : rnd16(_mm512_loadu_ps(c + i + half));
+          const __m512 s1 = hoisted ? rs1[j] : rnd16(_mm512_loadu_ps(s + i));
+          const __m512 s2 = hoisted ? rs2[j] : rnd16(_mm512_loadu_ps(s + i + half));
           const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
           store16(x + i, rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(x1, c1)), rnd16(_mm512_mul_ps(neg_x2, s1)))));
           store16(x + i + half, rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(x2, c2)), rnd16(_mm512_mul_ps(x1, s2)))));
@@ -247,7 +262,7 @@ static void rotary_impl(const int64_t* pos, T* qp, T* kp, const torch::Tensor& q
       }
     }
   };
-  at::parallel_for(0, T_, row_grain(q.size(1) * D + k.size(1) * D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, step_row_grain(q.size(1) * D + k.size(1) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       rotate(qp, q.size(1), q.stride(0), q.stride(1), t);
       rotate(kp, k.size(1), k.stride(0), k.stride(1), t);
