@@ -98,6 +98,27 @@ def test_rotary_in_place_on_qkv_views_matches_torch(tiny_hf_config, head_dim):
     torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], v_before, rtol=0, atol=0)  # v untouched
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize("num_tokens", [3, 64])
+def test_bfloat16_rotary_rounds_as_the_torch_ops_do(tiny_hf_config, head_dim, num_tokens):
+    """HF's bfloat16 rotary (cos / sin cast to bfloat16, each op rounded), bit for bit: one thread and two, cos /
+    sin rounded once a position (half a head a multiple of 16) or per head (48)."""
+    rotary = RotaryEmbedding(tiny_hf_config, head_dim, max_position=300)
+    gen = torch.Generator().manual_seed(head_dim + num_tokens)
+    heads, kv_heads = 9, 3
+    qkv = (torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2).bfloat16()
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 300, (num_tokens,), generator=gen)
+    cos = rotary.cos[positions].unsqueeze(1).bfloat16()
+    sin = rotary.sin[positions].unsqueeze(1).bfloat16()
+    expected_q = q * cos + layers._rotate_half(q) * sin
+    expected_k = k * cos + layers._rotate_half(k) * sin
+    out_q, out_k = rotary(positions, q, k)
+    assert torch.equal(out_q.view(torch.int16), expected_q.view(torch.int16))
+    assert torch.equal(out_k.view(torch.int16), expected_k.view(torch.int16))
+
+
 def test_layers_fall_back_to_torch_without_kernels(monkeypatch):
     """Other dtypes and a machine without a compiler take the torch formulas, with the same results."""
     norm = RMSNorm(64, 1e-5)
