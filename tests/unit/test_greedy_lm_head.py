@@ -80,12 +80,12 @@ def test_the_lm_head_module_falls_back_for_those_rows():
     assert head.greedy_token_ids(hidden).tolist() == expected.tolist()
 
 
-def test_a_float32_model_takes_it_and_generates_what_the_full_logits_give(default_model_dir):
-    from nanoinfer import LLM, SamplingParams
+def _fast_and_full(llm, use_full_logits) -> tuple[list, list]:
+    """Greedy outputs of a few prompts through the LM head's greedy path (checked to be taken), then again after
+    use_full_logits() turns it off (the full logits and the sampler's argmax)."""
+    from nanoinfer import SamplingParams
 
-    llm = LLM(str(default_model_dir), max_model_len=512, cpu_kvcache_space_gib=0.25, max_num_seqs=8)
     lm_head = llm.engine.model_runner.model.lm_head
-    assert lm_head.greedy_head is not None
     prompts = [[(7 * i + 3 * j) % 5000 + 1 for j in range(20 + 9 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     calls = []
@@ -93,8 +93,17 @@ def test_a_float32_model_takes_it_and_generates_what_the_full_logits_give(defaul
     lm_head.greedy_token_ids = lambda h: calls.append(len(h)) or pick(h)
     fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert calls  # the greedy rows went through it
-    lm_head.greedy_head = None  # the full float32 logits and the sampler's argmax
-    full = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    use_full_logits()
+    return fast, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_a_float32_model_takes_it_and_generates_what_the_full_logits_give(default_model_dir):
+    from nanoinfer import LLM
+
+    llm = LLM(str(default_model_dir), max_model_len=512, cpu_kvcache_space_gib=0.25, max_num_seqs=8)
+    lm_head = llm.engine.model_runner.model.lm_head
+    assert lm_head.greedy_head is not None
+    fast, full = _fast_and_full(llm, lambda: setattr(lm_head, "greedy_head", None))
     assert fast == full
 
 
@@ -152,26 +161,14 @@ def test_bfloat16_rows_with_a_nan_are_left_to_the_full_path():
     assert picked[0] == expected[0] and picked[2] == expected[2]
 
 
-def test_a_bfloat16_model_takes_it_and_generates_what_the_full_logits_give(default_model_dir):
-    from nanoinfer import LLM, SamplingParams
+def test_a_bfloat16_model_takes_it_and_generates_what_the_full_logits_give(default_model_dir, monkeypatch):
+    from nanoinfer import LLM
     from nanoinfer.model.layers import ParallelLMHead
 
     llm = LLM(str(default_model_dir), dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.25, max_num_seqs=8,
               num_speculative_tokens=3)
     lm_head = llm.engine.model_runner.model.lm_head
     assert lm_head.has_greedy_kernel and lm_head.packed_weight.kind == "amx"
-    prompts = [[(7 * i + 3 * j) % 5000 + 1 for j in range(20 + 9 * i)] for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    calls = []
-    pick = lm_head.greedy_token_ids
-    lm_head.greedy_token_ids = lambda h: calls.append(len(h)) or pick(h)
-    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert calls  # the greedy rows went through it
-    # The full bfloat16 logits and the sampler's argmax.
-    original = ParallelLMHead.has_greedy_kernel
-    ParallelLMHead.has_greedy_kernel = property(lambda self: False)
-    try:
-        full = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    finally:
-        ParallelLMHead.has_greedy_kernel = original
+    no_kernel = property(lambda self: False)
+    fast, full = _fast_and_full(llm, lambda: monkeypatch.setattr(ParallelLMHead, "has_greedy_kernel", no_kernel))
     assert fast == full
