@@ -21,20 +21,13 @@
 // cache, prefetching 3-8 rows ahead took 10-20% off the time (4 here; a row is 768 bytes for SmolLM2).
 constexpr int kPrefetchRows = 4;
 
-// Asks for heads [h0, h1) of the row at `row` (a token's whole row of KV heads).
-template <typename T>
+// Asks for heads [h0, h1) of the row at `row` (a token's whole row of KV heads): into L1 (_MM_HINT_T0), or
+// with _MM_HINT_T1 into L2 only. (`auto`: the hints are an enum in GCC's headers, ints in Clang's.)
+template <auto HINT = _MM_HINT_T0, typename T>
 static inline void prefetch_row(const T* row, int h0, int h1, int D) {
   const char* p = reinterpret_cast<const char*>(row + (size_t)h0 * D);
   const size_t bytes = (size_t)(h1 - h0) * D * sizeof(T);
-  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-}
-
-// The same into L2 only.
-template <typename T>
-static inline void prefetch_row_l2(const T* row, int h0, int h1, int D) {
-  const char* p = reinterpret_cast<const char*>(row + (size_t)h0 * D);
-  const size_t bytes = (size_t)(h1 - h0) * D * sizeof(T);
-  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, HINT);
 }
 
 // exp(s - m) for a head's `len` scores, in place; returns their sum.
@@ -180,7 +173,7 @@ static inline void key_dots_bf16(const at::BFloat16* row, const at::BFloat16* qb
 // rows kPrefetchRows tokens ahead (the first head group of a block does).
 template <int C, int N, typename T>
 static inline void value_block(const T* v, const size_t* rows, int len, int t0, int t1, int h, int h0, int h1, int qa,
-                               int q0, const float* const* probs, int ts, float* acc, bool prefetch) {
+                               int q0, const float* const* probs, float* acc, bool prefetch) {
   constexpr int D = 16 * C;
   __m512 a[N][C];
   for (int j = 0; j < N; ++j)
@@ -193,7 +186,7 @@ static inline void value_block(const T* v, const size_t* rows, int len, int t0, 
     __m512 vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load16(vp + 16 * c);
     for (int j = 0; j < N; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j][(size_t)t * ts]);
+      const __m512 pj = _mm512_set1_ps(p[j][t]);
       for (int c = 0; c < C; ++c) a[j][c] = _mm512_fmadd_ps(pj, vc[c], a[j][c]);
     }
   }
@@ -201,7 +194,7 @@ static inline void value_block(const T* v, const size_t* rows, int len, int t0, 
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (size_t)(qa + j) * D + 16 * c, a[j][c]);
 }
 
-// value_pass_avx512 for D = 16 C (query head qh's probabilities at probs[qh - q0][t * ts], as there):
+// value_pass_avx512 for D = 16 C (query head qh's probabilities at probs[qh - q0][t], as there):
 // tokens in blocks of 32, whose value rows stay in L1 for the head groups after the first; each group of
 // N = 24 / C query heads keeps its accumulators in registers over a block. Each output element still sums its tokens in order, one FMA each:
 // the same bits. float32, 64 sequences x 300 tokens x 30 layers, against the 4-token loop (old and new
@@ -209,7 +202,7 @@ static inline void value_block(const T* v, const size_t* rows, int len, int t0, 
 // the same. (attend_amx has a value pass of its own on tiles, value_pass_amx.)
 template <int C, typename T>
 static void value_pass_blocked(const T* v, const size_t* rows, int len, int G, int h0, int h1,
-                               const float* const* probs, int ts, float* acc) {
+                               const float* const* probs, float* acc) {
   constexpr int D = 16 * C, N = 24 / C, TB = 32;
   const int q0 = h0 * G;
   std::fill(acc + (size_t)q0 * D, acc + (size_t)h1 * G * D, 0.f);
@@ -220,12 +213,12 @@ static void value_pass_blocked(const T* v, const size_t* rows, int len, int G, i
         const int qa = h * G + g, n = std::min(N, G - g);
         const bool pf = h == h0 && g == 0;
         if (n == N) {
-          value_block<C, N>(v, rows, len, t0, t1, h, h0, h1, qa, q0, probs, ts, acc, pf);
+          value_block<C, N>(v, rows, len, t0, t1, h, h0, h1, qa, q0, probs, acc, pf);
           continue;
         }
         switch (n) {  // the last group of a KV head's query heads
 #define NANOINFER_GROUP(k) \
-  case k: if constexpr (k < N) value_block<C, k>(v, rows, len, t0, t1, h, h0, h1, qa, q0, probs, ts, acc, pf); break;
+  case k: if constexpr (k < N) value_block<C, k>(v, rows, len, t0, t1, h, h0, h1, qa, q0, probs, acc, pf); break;
           NANOINFER_GROUP(1) NANOINFER_GROUP(2) NANOINFER_GROUP(3) NANOINFER_GROUP(4) NANOINFER_GROUP(5)
 #undef NANOINFER_GROUP
           default: break;
@@ -235,12 +228,12 @@ static void value_pass_blocked(const T* v, const size_t* rows, int len, int G, i
 }
 
 // The value pass of one sequence, KV heads [h0, h1): acc [Hq, D] (query heads [h0 G, h1 G)) = the sum over its
-// tokens of p(qh, t) times the token's value row, where p(qh, t) = probs[qh - h0 G][t * ts] (the softmax
-// numerators, in whichever layout the key pass left them). 4 tokens at a time, so each accumulator is loaded
+// tokens of p(qh, t) times the token's value row, where p(qh, t) = probs[qh - h0 G][t] (the softmax
+// numerators). 4 tokens at a time, so each accumulator is loaded
 // and stored once per 4 FMAs; each output element still sums its tokens in order.
 template <typename T>
 static void value_pass_avx512(const T* v, const size_t* rows, int len, int G, int D, int h0, int h1,
-                              const float* const* probs, int ts, float* acc) {
+                              const float* const* probs, float* acc) {
   const int C = D / 16;
   const int q0 = h0 * G, q1 = h1 * G;
   std::fill(acc + (size_t)q0 * D, acc + (size_t)q1 * D, 0.f);
@@ -259,13 +252,13 @@ static void value_pass_avx512(const T* v, const size_t* rows, int len, int G, in
         const __m512 v2 = load16(r2 + off + 16 * c), v3 = load16(r3 + off + 16 * c);
         for (int g = 0; g < G; ++g) {
           const int qh = h * G + g;
-          const float* p = probs[qh - q0] + (size_t)t * ts;
+          const float* p = probs[qh - q0] + t;
           float* a = acc + qh * D + 16 * c;
           __m512 x = _mm512_loadu_ps(a);
           x = _mm512_fmadd_ps(_mm512_set1_ps(p[0]), v0, x);
-          x = _mm512_fmadd_ps(_mm512_set1_ps(p[ts]), v1, x);
-          x = _mm512_fmadd_ps(_mm512_set1_ps(p[2 * ts]), v2, x);
-          x = _mm512_fmadd_ps(_mm512_set1_ps(p[3 * ts]), v3, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[1]), v1, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[2]), v2, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[3]), v3, x);
           _mm512_storeu_ps(a, x);
         }
       }
@@ -279,7 +272,7 @@ static void value_pass_avx512(const T* v, const size_t* rows, int len, int G, in
         for (int g = 0; g < G; ++g) {
           const int qh = h * G + g;
           float* a = acc + qh * D + 16 * c;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[qh - q0][(size_t)t * ts]), vc, _mm512_loadu_ps(a)));
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[qh - q0][t]), vc, _mm512_loadu_ps(a)));
         }
       }
   }
@@ -321,7 +314,7 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
         prefetch_row(k + rows[t + kPrefetchRows], h0, h1, D);
         // The value rows too, into L2 (a sequence's fit there), for the value pass after the softmax: it
         // then reads them from cache, where its own requests 4 rows ahead waited on DRAM.
-        prefetch_row_l2(v + rows[t + kPrefetchRows], h0, h1, D);
+        prefetch_row<_MM_HINT_T1>(v + rows[t + kPrefetchRows], h0, h1, D);
       }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -375,11 +368,11 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
   std::vector<const float*> probs(nq);
   for (int j = 0; j < nq; ++j) probs[j] = scores + (size_t)(q0 + j) * len;
   if (D == 64)
-    value_pass_blocked<4>(v, rows, len, G, h0, h1, probs.data(), 1, acc);
+    value_pass_blocked<4>(v, rows, len, G, h0, h1, probs.data(), acc);
   else if (D == 128)
-    value_pass_blocked<8>(v, rows, len, G, h0, h1, probs.data(), 1, acc);
+    value_pass_blocked<8>(v, rows, len, G, h0, h1, probs.data(), acc);
   else
-    value_pass_avx512(v, rows, len, G, D, h0, h1, probs.data(), 1, acc);
+    value_pass_avx512(v, rows, len, G, D, h0, h1, probs.data(), acc);
   for (int j = 0; j < nq; ++j)
     for (int d = 0; d < D; ++d) acc[(q0 + j) * D + d] *= inv_sums[j];
 }
@@ -632,10 +625,10 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
       // rows fit there); asked for in the value pass instead, the requests queued behind each other.
       for (int t = t0 + 32; t < std::min(len, t0 + 64); ++t) {
         prefetch_row(k + rows[t], a, b, D);
-        prefetch_row_l2(v + rows[t], a, b, D);
+        prefetch_row<_MM_HINT_T1>(v + rows[t], a, b, D);
       }
       if (t0 == 0)
-        for (int t = 0; t < std::min(len, 32); ++t) prefetch_row_l2(v + rows[t], a, b, D);
+        for (int t = 0; t < std::min(len, 32); ++t) prefetch_row<_MM_HINT_T1>(v + rows[t], a, b, D);
       _tile_zero(0);
       _tile_zero(1);
       for (int j = 0; j < nch; ++j) {
