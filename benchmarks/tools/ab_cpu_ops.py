@@ -136,7 +136,9 @@ def main() -> None:
     parser.add_argument("a", help="build name of the CPU kernels, e.g. nanoinfer_cpu_ops_0123456789ab")
     parser.add_argument("b", help="the other build")
     parser.add_argument("--what", choices=("gemm", "decode", "attention"), default="gemm")
-    parser.add_argument("--reps", type=int, default=None, help="turns per build (default: 10 gemm, 3 decode)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="turns per build (default: 10 gemm, 7 attention, 3 decode)"
+    )
     parser.add_argument("--batch", type=int, default=64, help="decode, attention: sequences per step")
     parser.add_argument("--run-rows", type=int, default=4, help="attention: consecutive rows a sequence")
     parser.add_argument("--rows", default="16,32,64", help="gemm: the row counts, comma-separated")
