@@ -24,9 +24,10 @@ def _picks(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, to
     return picked, full
 
 
-# Vocabularies a multiple of 16 and not (a partial panel), hidden sizes a multiple of 32 and not.
+# Vocabularies a multiple of 16 and not (a partial panel), hidden sizes a multiple of 32 and not; rows within
+# one 16-row block of the AMX GEMM, across blocks and across its 256-row runs.
 @pytest.mark.parametrize("vocab, hidden_size", [(4096, 576), (1000, 64), (333, 100)])
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_the_float32_argmax_on_random_logits(vocab, hidden_size, rows):
     gen = torch.Generator().manual_seed(vocab + rows)
     weight = torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5
@@ -63,6 +64,27 @@ def test_rows_that_are_not_finite_are_left_to_the_full_path():
     head, panels = pack_greedy_lm_head(weight), pack_weight(weight, "panels")
     picked = cpu_ops().greedy_lm_head(hidden, head.amx_packed, head.weight_norms, panels.data, 300)
     assert picked[0] >= 0 and picked[1:].tolist() == [-1, -1, -1]
+
+
+def test_a_row_with_more_candidates_than_slots_is_left_to_the_full_path():
+    """1,000 equal logits: more columns within the bound than a thread keeps (256) while it runs. On top, the row
+    goes to the full path; at the bottom (each thread's first columns then later ones above them), it is exact."""
+    from nanoinfer.model.layers import ParallelLMHead
+
+    gen = torch.Generator().manual_seed(5)
+    head = ParallelLMHead(1100, 64)
+    top = torch.randn(64, generator=gen)
+    weight = torch.randn(1100, 64, generator=gen) * 0.01
+    weight[50:1050] = top
+    head.weight.data = weight
+    head.greedy_head = pack_greedy_lm_head(head.weight)
+    head.packed_weight = pack_weight(head.weight, "panels")
+    hidden = torch.stack([top, -top])  # the 1,000 on top, then at the bottom
+    picked = cpu_ops().greedy_lm_head(hidden, head.greedy_head.amx_packed, head.greedy_head.weight_norms,
+                                      head.packed_weight.data, 1100)
+    full = torch.argmax(head(hidden), dim=-1)
+    assert picked[0] == -1 and picked[1] == full[1]
+    assert head.greedy_token_ids(hidden).tolist() == full.tolist() and full[0] == 50
 
 
 def test_the_lm_head_module_falls_back_for_those_rows():

@@ -5,6 +5,21 @@
 #pragma once
 #include "simd.h"
 
+#include <vector>
+
+// greedy_lm_head's bound (see there): E_j = row_scale[r] * weight_norms[j] + c2 * |B_j| + tiny for row r.
+struct LogitBound {
+  const float* weight_norms = nullptr;  // [N]
+  const float* row_scale = nullptr;     // [rows]
+  float c2 = 0.0f, tiny = 0.0f;
+};
+// For each row of x [rows, K] bfloat16 times a weight from pack_amx_weight: the columns j whose bfloat16 logit
+// B_j (the sum rounded as amx_linear rounds it) has B_j + E_j >= max_i (B_i - E_i), in no particular order;
+// none for a row whose B holds an infinity or a NaN, or for which more columns than fit kept reaching the
+// threshold (the caller computes the row in full). Taken in the GEMM's epilogue: the [rows, N] logits are never written (amx_gemm.cpp).
+std::vector<std::vector<int32_t>> amx_logit_candidates(const torch::Tensor& x, const torch::Tensor& packed,
+                                                       int64_t N, const LogitBound& bound);
+
 #if defined(NANOINFER_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #define NANOINFER_AMX 1

@@ -117,6 +117,88 @@ inline void update_best(const float* row, int ncols, int64_t col0, RowBest& best
   if (best.beaten_by(top, index)) best.value = top, best.index = (int32_t)index;
 }
 
+// Bounded mode (amx_logit_candidates): a row's running threshold max_j (B_j - E_j) over the columns seen, and
+// the columns whose B_j + E_j reached it when seen (with that upper value). The threshold only grows, so a
+// column below it once is below the final one and is never kept; the survivors are filtered by the final
+// threshold at the end. Slots: kMaxCandidates a row and thread. When they run out, the ones the threshold has
+// passed are dropped; if none has, the new column is dropped and its upper value remembered (`dropped`): the
+// row is still exact if the final threshold passes that, else its caller computes it in full, as a row
+// holding an infinity or a NaN (`full`). A thread's first columns may all be near-equal (a run of duplicated
+// rows of W), so the threshold may rise only after the slots are gone.
+constexpr int kMaxCandidates = 256;
+struct Candidate {
+  int32_t index;
+  float upper;
+};
+struct RowCandidates {
+  float threshold = -std::numeric_limits<float>::infinity();
+  float dropped = -std::numeric_limits<float>::infinity();
+  int32_t count = 0;
+  int32_t full = 0;
+};
+
+// One row's 32 sums of a pair (ncols valid, column col0 first) into its RowCandidates; `scale` is the row's
+// factor of E_j, `slots` its candidate slots.
+inline void update_candidates(const float* row, int ncols, int64_t col0, float scale, const LogitBound& lb,
+                              RowCandidates& rc, Candidate* slots) {
+  if (rc.full) return;
+  const __mmask16 m0 = (__mmask16)(ncols >= TN ? 0xFFFFu : (1u << ncols) - 1);
+  const __mmask16 m1 = (__mmask16)(ncols <= TN ? 0u : ncols >= 2 * TN ? 0xFFFFu : (1u << (ncols - TN)) - 1);
+  const __m512 r0 = _mm512_load_ps(row), r1 = _mm512_load_ps(row + TN);
+  if (_mm512_mask_cmp_ps_mask(m0, r0, r0, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m1, r1, r1, _CMP_UNORD_Q)) {
+    rc.full = 1;
+    return;
+  }
+  const __m512 b0 = rnd16(r0), b1 = rnd16(r1);
+  const __m512 abs0 = _mm512_abs_ps(b0), abs1 = _mm512_abs_ps(b1);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  if (_mm512_mask_cmp_ps_mask(m0, abs0, inf, _CMP_EQ_OQ) | _mm512_mask_cmp_ps_mask(m1, abs1, inf, _CMP_EQ_OQ)) {
+    rc.full = 1;  // a sum past bfloat16's range: the bound says nothing there
+    return;
+  }
+  // E_j as greedy_lm_head.cpp's error_bound: fma(a, ||w_j||, c2 |B_j|) + tiny.
+  const __m512 a = _mm512_set1_ps(scale), c2 = _mm512_set1_ps(lb.c2), tiny = _mm512_set1_ps(lb.tiny);
+  const __m512 e0 = _mm512_add_ps(
+      _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m0, lb.weight_norms + col0), _mm512_mul_ps(c2, abs0)), tiny);
+  const __m512 e1 = _mm512_add_ps(
+      _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m1, lb.weight_norms + col0 + TN), _mm512_mul_ps(c2, abs1)), tiny);
+  __m512 t = _mm512_set1_ps(rc.threshold);
+  const __m512 lo0 = _mm512_sub_ps(b0, e0), lo1 = _mm512_sub_ps(b1, e1);
+  if (_mm512_mask_cmp_ps_mask(m0, lo0, t, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(m1, lo1, t, _CMP_GT_OQ)) {
+    const __m512 ninf = _mm512_sub_ps(_mm512_setzero_ps(), inf);
+    rc.threshold = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, m0, lo0), _mm512_mask_mov_ps(ninf, m1, lo1)));
+    t = _mm512_set1_ps(rc.threshold);
+  }
+  const __m512 up0 = _mm512_add_ps(b0, e0), up1 = _mm512_add_ps(b1, e1);
+  alignas(64) float upper[2 * TN];
+  uint32_t hit = _mm512_mask_cmp_ps_mask(m0, up0, t, _CMP_GE_OQ) |
+                 ((uint32_t)_mm512_mask_cmp_ps_mask(m1, up1, t, _CMP_GE_OQ) << TN);
+  if (!hit) return;  // most pairs, once a row's threshold has risen
+  _mm512_store_ps(upper, up0);
+  _mm512_store_ps(upper + TN, up1);
+  for (; hit; hit &= hit - 1) {
+    if (rc.count == kMaxCandidates) {  // drop the ones the threshold has passed since they came in
+      int32_t kept = 0;
+      for (int32_t i = 0; i < rc.count; ++i)
+        if (slots[i].upper >= rc.threshold) slots[kept++] = slots[i];
+      rc.count = kept;
+    }
+    const int lane = __builtin_ctz(hit);
+    if (rc.count == kMaxCandidates)
+      rc.dropped = std::max(rc.dropped, upper[lane]);
+    else
+      slots[rc.count++] = Candidate{(int32_t)(col0 + lane), upper[lane]};
+  }
+}
+
+// What a greedy run (the LM head) collects in place of its output, per thread and row ([threads][M]).
+struct GreedySinks {
+  RowBest* best = nullptr;            // amx_greedy_argmax
+  RowCandidates* candidates = nullptr;  // amx_logit_candidates, with:
+  Candidate* slots = nullptr;         // [threads][M][kMaxCandidates]
+  const LogitBound* bound = nullptr;
+};
+
 // A block's sums (c [16][32]) on their way to the output: `rows` rows, `ncols` valid outputs of the pair at out
 // (row stride ldc), the first `done` of them written. Gated: gate and up rounded to bfloat16, silu(gate)
 // rounded, the product rounded: silu_mul_row's steps on 16 lanes (exp16 is exp8's), so the bits are those of
@@ -132,7 +214,11 @@ struct Epilogue {
   int ncols = 0;
   const float* bias = nullptr;
   RowBest* best = nullptr;  // greedy mode: the block's rows' RowBest, in place of out
-  int64_t col0 = 0;         // greedy mode: the pair's first column
+  int64_t col0 = 0;         // greedy and bounded modes: the pair's first column
+  RowCandidates* candidates = nullptr;  // bounded mode: the block's rows' RowCandidates, in place of out,
+  Candidate* slots = nullptr;           // their slots,
+  const LogitBound* bound = nullptr;    // the bound,
+  int64_t row0 = 0;                     // and the block's first row
 
   template <bool GATED>
   void write_rows_until(int end) {
@@ -141,6 +227,11 @@ struct Epilogue {
       const float* row = c + done * PAIR_COLS;
       if (!GATED && best) {
         update_best(row, ncols, col0, best[done]);
+        continue;
+      }
+      if (!GATED && candidates) {
+        update_candidates(row, ncols, col0, bound->row_scale[row0 + done], *bound, candidates[done],
+                          slots + done * kMaxCandidates);
         continue;
       }
       bf16* o = out + done * ldc;
@@ -215,10 +306,10 @@ struct alignas(64) PairRange {
   }
 };
 
-// out [M, N], or (best, not GATED) no output: best [threads][M] collects each row's RowBest instead.
+// out [M, N], or (greedy, not GATED) no output: its sinks collect each row's result instead.
 template <bool GATED>
 void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, int64_t KB, const float* bias,
-             bf16* out, int64_t N, RowBest* best = nullptr) {
+             bf16* out, int64_t N, const GreedySinks* greedy = nullptr) {
   const int64_t KP = KB * TK;
   const int64_t cols = GATED ? TN : PAIR_COLS;  // outputs of a pair
   // Rows read in place: whole blocks when K is a multiple of 32. The rest from a zero-padded copy.
@@ -289,8 +380,18 @@ void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, 
           block<GATED, true>(xa, lda, xt, bp, KB, c, pf, pf_lines, prev, rows_per_step);
         else
           block<GATED, false>(xa, lda, xt, bp, KB, c, pf, pf_lines, prev, rows_per_step);
-        prev = best ? Epilogue{c, rows, 0, nullptr, N, ncols, nullptr, best + t * M + m0, p * cols}
-                    : Epilogue{c, rows, 0, out + m0 * N + p * cols, N, ncols, biasp};
+        if (!greedy) {
+          prev = Epilogue{c, rows, 0, out + m0 * N + p * cols, N, ncols, biasp};
+        } else {
+          const int64_t r = t * M + m0;
+          prev = Epilogue{c, rows, 0, nullptr, N, ncols, nullptr, greedy->best ? greedy->best + r : nullptr, p * cols};
+          if (greedy->candidates) {
+            prev.candidates = greedy->candidates + r;
+            prev.slots = greedy->slots + r * kMaxCandidates;
+            prev.bound = greedy->bound;
+            prev.row0 = m0;
+          }
+        }
       }
     };
     auto pair_ptr = [&](int64_t p) { return b + p * KB * PAIR_STEP; };
@@ -374,8 +475,9 @@ torch::Tensor amx_greedy_argmax(const torch::Tensor& hidden, const torch::Tensor
     const auto x = hidden.contiguous();
     const int threads = at::get_num_threads();
     std::vector<RowBest> best(threads * M);
-    run_amx<false>(x.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), packed.size(0), KB, nullptr, nullptr, N,
-                   best.data());
+    GreedySinks sinks;
+    sinks.best = best.data();
+    run_amx<false>(x.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), packed.size(0), KB, nullptr, nullptr, N, &sinks);
     int64_t* op = out.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {
       RowBest row = best[m];
@@ -385,6 +487,49 @@ torch::Tensor amx_greedy_argmax(const torch::Tensor& hidden, const torch::Tensor
         if (other.index >= 0 && row.beaten_by(other.value, other.index)) row.value = other.value, row.index = other.index;
       }
       op[m] = row.nan ? -1 : row.index;
+    }
+  }
+#endif
+  return out;
+}
+
+std::vector<std::vector<int32_t>> amx_logit_candidates(const torch::Tensor& x, const torch::Tensor& packed,
+                                                       int64_t N, const LogitBound& bound) {
+  TORCH_CHECK(amx_available(), "amx_logit_candidates: this CPU (or build) has no AMX bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "amx_logit_candidates: contiguous bfloat16 rows [rows, hidden] and weight");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == TK / 2 && packed.size(4) == PAIR_COLS &&
+                  packed.size(0) == (N + PAIR_COLS - 1) / PAIR_COLS,
+              "amx_logit_candidates: weight not packed by pack_amx_weight for ", N, " outputs");
+  const int64_t M = x.size(0), K = x.size(1), KB = packed.size(1);
+  TORCH_CHECK((K + TK - 1) / TK == KB, "amx_logit_candidates: rows have ", K, " features, weight ", KB * TK);
+  std::vector<std::vector<int32_t>> out(M);
+#ifdef NANOINFER_AMX
+  if (M == 0) return out;
+  const int threads = at::get_num_threads();
+  std::vector<RowCandidates> rows(threads * M);
+  static thread_local std::vector<Candidate> slots;  // 2 KB a row and thread: kept for the next step
+  if ((int64_t)slots.size() < threads * M * kMaxCandidates) slots.resize(threads * M * kMaxCandidates);
+  GreedySinks sinks;
+  sinks.candidates = rows.data();
+  sinks.slots = slots.data();
+  sinks.bound = &bound;
+  run_amx<false>(x.data_ptr<bf16>(), M, K, packed.data_ptr<bf16>(), packed.size(0), KB, nullptr, nullptr, N, &sinks);
+  for (int64_t m = 0; m < M; ++m) {  // merge the threads': the final threshold, then who reaches it
+    float threshold = -std::numeric_limits<float>::infinity(), dropped = threshold;
+    bool full = false;
+    for (int t = 0; t < threads; ++t) {
+      const RowCandidates& rc = rows[t * M + m];
+      full |= rc.full != 0;
+      threshold = std::max(threshold, rc.threshold);
+      dropped = std::max(dropped, rc.dropped);
+    }
+    if (full || dropped >= threshold) continue;  // a dropped column may be the argmax
+    for (int t = 0; t < threads; ++t) {
+      const Candidate* s = slots.data() + (t * M + m) * kMaxCandidates;
+      for (int32_t i = 0; i < rows[t * M + m].count; ++i)
+        if (s[i].upper >= threshold) out[m].push_back(s[i].index);
     }
   }
 #endif
