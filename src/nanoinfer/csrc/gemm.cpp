@@ -61,6 +61,9 @@ inline float store_as(float x, float*) { return x; }
 inline at::BFloat16 store_as(float x, at::BFloat16*) { return static_cast<at::BFloat16>(x); }
 
 #if defined(NANOINFER_AVX512)
+// k-steps ahead that a tile asks for its weights and rows of x into L1.
+constexpr int64_t kL1Ahead = 16;
+
 // R rows of NPT (1 or 2) consecutive panels: panel j's weights at b + j * K * NR, its outputs at
 // c + j * COLS (COLS = 8 gated, else 16), `ncols[j]` of them valid, its bias at bias + j * NR.
 // GATED: a panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight), and the tile
@@ -74,9 +77,12 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
   __m512 acc[MR][2];
   fma_tile_12x2<R, NPT>(
       K,
-      [&](int64_t) {
+      [&](int64_t k) {
         _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
         pf_pos += pf.step;
+        _mm_prefetch(reinterpret_cast<const char*>(b + (k + kL1Ahead) * NR), _MM_HINT_T0);
+        if constexpr (NPT == 2) _mm_prefetch(reinterpret_cast<const char*>(b1 + (k + kL1Ahead) * NR), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a + (k + kL1Ahead) * R), _MM_HINT_T0);
       },
       [&](int r, int64_t k) { return a[k * R + r]; },
       [&](int j, int64_t k) { return load16((j == 0 ? b : b1) + k * NR); },
