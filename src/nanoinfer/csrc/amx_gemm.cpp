@@ -96,18 +96,32 @@ struct RowBest {
   bool beaten_by(float v, int64_t i) const { return index < 0 || v > value || (v == value && i < index); }
 };
 
+// One row's 32 sums of a pair, as the greedy epilogues read them: the two halves and the masks of the ncols
+// valid columns.
+struct PairRow {
+  __mmask16 m0, m1;
+  __m512 r0, r1;
+  PairRow(const float* row, int ncols)
+      : m0((__mmask16)(ncols >= TN ? 0xFFFFu : (1u << ncols) - 1)),
+        m1((__mmask16)(ncols <= TN ? 0u : ncols >= 2 * TN ? 0xFFFFu : (1u << (ncols - TN)) - 1)),
+        r0(_mm512_load_ps(row)),
+        r1(_mm512_load_ps(row + TN)) {}
+  bool has_nan() const {
+    return (_mm512_mask_cmp_ps_mask(m0, r0, r0, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m1, r1, r1, _CMP_UNORD_Q)) != 0;
+  }
+};
+
 // One row's 32 sums of a pair (ncols of them valid, column col0 first) into its RowBest: rounded to bfloat16
 // (rnd16 is store16_masked's rounding on finite values), the largest and the first lane holding it.
 inline void update_best(const float* row, int ncols, int64_t col0, RowBest& best) {
-  const __mmask16 m0 = (__mmask16)(ncols >= TN ? 0xFFFFu : (1u << ncols) - 1);
-  const __mmask16 m1 = (__mmask16)(ncols <= TN ? 0u : ncols >= 2 * TN ? 0xFFFFu : (1u << (ncols - TN)) - 1);
-  const __m512 r0 = _mm512_load_ps(row), r1 = _mm512_load_ps(row + TN);
-  if (_mm512_mask_cmp_ps_mask(m0, r0, r0, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m1, r1, r1, _CMP_UNORD_Q)) {
+  const PairRow pr(row, ncols);
+  const __mmask16 m0 = pr.m0, m1 = pr.m1;
+  if (pr.has_nan()) {
     best.nan = 1;
     return;
   }
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 v0 = _mm512_mask_mov_ps(ninf, m0, rnd16(r0)), v1 = _mm512_mask_mov_ps(ninf, m1, rnd16(r1));
+  const __m512 v0 = _mm512_mask_mov_ps(ninf, m0, rnd16(pr.r0)), v1 = _mm512_mask_mov_ps(ninf, m1, rnd16(pr.r1));
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
   if (!best.beaten_by(top, col0)) return;  // not even at the pair's first column: most pairs end here
   const __m512 t = _mm512_set1_ps(top);
@@ -142,14 +156,13 @@ struct RowCandidates {
 inline void update_candidates(const float* row, int ncols, int64_t col0, float scale, const LogitBound& lb,
                               RowCandidates& rc, Candidate* slots) {
   if (rc.full) return;
-  const __mmask16 m0 = (__mmask16)(ncols >= TN ? 0xFFFFu : (1u << ncols) - 1);
-  const __mmask16 m1 = (__mmask16)(ncols <= TN ? 0u : ncols >= 2 * TN ? 0xFFFFu : (1u << (ncols - TN)) - 1);
-  const __m512 r0 = _mm512_load_ps(row), r1 = _mm512_load_ps(row + TN);
-  if (_mm512_mask_cmp_ps_mask(m0, r0, r0, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m1, r1, r1, _CMP_UNORD_Q)) {
+  const PairRow pr(row, ncols);
+  const __mmask16 m0 = pr.m0, m1 = pr.m1;
+  if (pr.has_nan()) {
     rc.full = 1;
     return;
   }
-  const __m512 b0 = rnd16(r0), b1 = rnd16(r1);
+  const __m512 b0 = rnd16(pr.r0), b1 = rnd16(pr.r1);
   const __m512 abs0 = _mm512_abs_ps(b0), abs1 = _mm512_abs_ps(b1);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   if (_mm512_mask_cmp_ps_mask(m0, abs0, inf, _CMP_EQ_OQ) | _mm512_mask_cmp_ps_mask(m1, abs1, inf, _CMP_EQ_OQ)) {
@@ -441,7 +454,7 @@ torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed
   const int64_t K = input.size(-1);
   TORCH_CHECK((K + TK - 1) / TK == KB, "amx_linear: input has ", K, " features, weight ", KB * TK, " (padded)");
   const LinearIO io = linear_io(input, K, N, bias, "amx_linear");
-  const int64_t M = io.x.size(0);
+  [[maybe_unused]] const int64_t M = io.x.size(0);  // (used with AMX only)
 #ifdef NANOINFER_AMX
   if (M > 0) {
     const bf16* xp = io.x.data_ptr<bf16>();
