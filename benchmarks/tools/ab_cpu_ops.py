@@ -98,12 +98,14 @@ def ab_decode(builds: dict, reps: int, batch: int, dtype: str) -> None:
         print(f"{name}: best {min(values):.1f} ms per decode step of {batch}, all {[round(v, 1) for v in values]}")
 
 
-def ab_attention(builds: dict, reps: int, batch: int, run_rows: int, dtype: str) -> None:
+def ab_attention(builds: dict, reps: int, batch: int, run_rows: int, dtype: str, block_size: int = 16) -> None:
     """paged_decode alone over 30 layers' caches (too big for cache, as in W): `batch` sequences of 190-400
-    tokens, each `run_rows` consecutive rows (speculative decoding's runs; 1 = lone rows), SmolLM2's heads."""
+    tokens, each `run_rows` consecutive rows (speculative decoding's runs; 1 = lone rows), SmolLM2's heads;
+    cache blocks of `block_size` tokens in random order (the engine's are 256 tokens, handed out in order
+    on a fresh cache: a sequence's keys then lie in long runs the hardware prefetchers follow)."""
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
-    block_size, num_kv_heads, num_heads, head_dim = 16, 3, 9, 64
+    num_kv_heads, num_heads, head_dim = 3, 9, 64
     lens = torch.randint(190, 400, (batch,), generator=gen).tolist()
     blocks = [-(-(n + run_rows) // block_size) for n in lens]
     shape = (sum(blocks), block_size, num_kv_heads, head_dim)
@@ -127,7 +129,7 @@ def ab_attention(builds: dict, reps: int, batch: int, run_rows: int, dtype: str)
             for k_cache, v_cache in layers:
                 ops.paged_decode(query, k_cache, v_cache, tables_t, lens_t, head_dim**-0.5)
             best[name] = min(best[name], time.perf_counter() - start)
-    print(f"{batch} sequences x {run_rows} rows, {dtype}, 30 layers: "
+    print(f"{batch} sequences x {run_rows} rows, {dtype}, blocks of {block_size}, 30 layers: "
           + "  ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in best.items()))  # fmt: skip
 
 
@@ -141,6 +143,7 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, default=64, help="decode, attention: sequences per step")
     parser.add_argument("--run-rows", type=int, default=4, help="attention: consecutive rows a sequence")
+    parser.add_argument("--block-size", type=int, default=16, help="attention: tokens a cache block (engine: 256)")
     parser.add_argument("--rows", default="16,32,64", help="gemm: the row counts, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -153,7 +156,7 @@ def main() -> None:
     if args.what == "gemm":
         ab_gemm(builds, args.reps or 10, [int(r) for r in args.rows.split(",")])
     elif args.what == "attention":
-        ab_attention(builds, args.reps or 7, args.batch, args.run_rows, args.dtype)
+        ab_attention(builds, args.reps or 7, args.batch, args.run_rows, args.dtype, args.block_size)
     else:
         ab_decode(builds, args.reps or 3, args.batch, args.dtype)
 
