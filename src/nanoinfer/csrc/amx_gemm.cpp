@@ -169,7 +169,7 @@ inline void update_candidates(const float* row, int ncols, int64_t col0, float s
     rc.full = 1;  // a sum past bfloat16's range: the bound says nothing there
     return;
   }
-  // E_j as greedy_lm_head.cpp's error_bound: fma(a, ||w_j||, c2 |B_j|) + tiny.
+  // E_j (greedy_lm_head.cpp derives it): fma(scale, ||w_j||, c2 |B_j|) + tiny.
   const __m512 a = _mm512_set1_ps(scale), c2 = _mm512_set1_ps(lb.c2), tiny = _mm512_set1_ps(lb.tiny);
   const __m512 e0 = _mm512_add_ps(
       _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m0, lb.weight_norms + col0), _mm512_mul_ps(c2, abs0)), tiny);
