@@ -228,12 +228,8 @@ void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* 
            const float* bias, const W* next, int next_panels) {
   const int64_t tiles = (rows + MR - 1) / MR;
   const int64_t lines = next && rows >= kPrefetchMinRows ? (next_panels * K * NR * (int64_t)sizeof(W) + 63) / 64 : 0;
-  // Tile t's lines of the next panels: from three tiles on, in proportion to its rows (a short last tile
-  // computes for a fraction of the time, and an equal share made it issue its prefetches in a burst); with
-  // one or two, equal shares (each stays within a line per k-step).
-  auto share = [&](int64_t t) {
-    const int64_t first = tiles < 3 ? lines * t / tiles : lines * (t * MR) / rows;
-    const int64_t last = tiles < 3 ? lines * (t + 1) / tiles : lines * std::min(rows, (t + 1) * MR) / rows;
+  auto share = [&](int64_t t) {  // tile t's lines of the next panels
+    const int64_t first = lines * t / tiles, last = lines * (t + 1) / tiles;
     Prefetch pf;
     if (last > first) {
       pf.line = reinterpret_cast<const char*>(next) + 64 * first;
