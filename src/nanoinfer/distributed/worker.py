@@ -81,7 +81,7 @@ def _from_wire(value, device: torch.device):
 @torch.inference_mode()
 def forward_shard(runner, input_ids, positions, metadata, sample_indices, with_logits: bool):
     """This rank's part of one step; every rank calls it with the same inputs (the collectives pair up)."""
-    hidden_states = runner.model(input_ids, positions, runner.kv_caches, metadata)
+    hidden_states = runner.run_model(input_ids, positions, metadata)
     if not with_logits:
         return None
     return runner.model.compute_logits(hidden_states[sample_indices])

@@ -100,10 +100,13 @@ class ModelRunner:
         self.kv_caches = []  # drop the old cache before allocating the new one
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.num_blocks = num_blocks
-        # On CPU the OS commits the cache's pages only as blocks fill up (torch.empty's untouched memory), so
-        # a 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB of resident memory for a small job
-        # (the planner already checked the budget against available RAM). Every backend reads only slots below
-        # a sequence's length, which were written first.
+        # CPU: which blocks' memory the OS has committed (commit_new_blocks); None on CUDA (zeroed up front).
+        self.committed = torch.zeros(num_blocks, dtype=torch.bool) if self.device.type == "cpu" else None
+        self.num_committed = 0
+        # On CPU the cache's pages are committed only as blocks are first written (torch.empty's untouched
+        # memory, then commit_new_blocks), so a 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB
+        # of resident memory for a small job (the planner already checked the budget against available RAM).
+        # Every backend reads only slots below a sequence's length, which were written first.
         self.kv_caches = [
             tuple(self._allocate_cache_tensor(shape) for _ in range(2))
             for _ in range(self.config.hf_config.num_hidden_layers)
@@ -112,13 +115,50 @@ class ModelRunner:
     def _allocate_cache_tensor(self, shape) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-        # Ordinary 4 KiB pages, committed as blocks are first written. Not the weights' 2 MiB pages
+        # Ordinary 4 KiB pages, committed a block at a time (commit_new_blocks). Not the weights' 2 MiB pages
         # (csrc/huge_pages.cpp): a huge page is committed whole at its first write, and on the 2-core VM of
         # stop 27 that cost 1.26 ms per 2 MiB against 0.74 us per 4 KiB page. W runs ~900 MB of cache into
         # use, so lazily committed huge pages made it 3-7% slower (float32 ~485 -> ~520 tok/s, bfloat16
         # ~1,300 -> ~1,355, two alternated runs each); on the Sapphire Rapids of the tenth round they were
         # only level (benchmarks/README.md, seventeenth round).
         return torch.empty(shape, dtype=self.kv_cache_dtype)
+
+    def commit_new_blocks(self, slot_mapping: torch.Tensor) -> None:
+        """Commit the memory of the blocks this step writes into for the first time, whole, before the
+        step stores into them (CPU caches only; each tensor-parallel rank calls this for its own shard).
+
+        Why: the cache is allocated untouched, so otherwise the OS commits it a 4 KiB page at a time inside
+        the step's kernels, as decode writes one row a sequence a layer into fresh pages. What a first write
+        costs depends on the VM's state (benchmarks/README.md, twenty-first round): in a slow phase of the
+        2-core VM of stop 31, W float32 spent ~0.5 s of its ~16 s in those faults, and committing here made it
+        0.3-0.8 s faster in six of seven alternated pairs (16.0-16.9 -> 15.7-16.1 s); in a fast phase both
+        ran 15.3-15.7 s, and W bfloat16 was level. A whole block is committed even where its sequence ends
+        early: at most one partial block per sequence, and the planner counted every block against the memory
+        budget anyway."""
+        if self.committed is None or self.num_committed == self.num_blocks:
+            return
+        blocks = torch.unique(slot_mapping[slot_mapping >= 0] // self.block_size)
+        fresh = blocks[~self.committed[blocks]]
+        if fresh.numel() == 0:
+            return
+        self.committed[fresh] = True
+        # Runs of consecutive ids (fresh blocks mostly come in order), each zeroed as one memset on all
+        # threads: index_fill_ wrote ~4.5 GB/s here, a run's zero_() ~3x that.
+        ids = fresh.tolist()
+        run_start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                first, last = ids[run_start], ids[i - 1]
+                for k_cache, v_cache in self.kv_caches:
+                    k_cache[first : last + 1].zero_()
+                    v_cache[first : last + 1].zero_()
+                run_start = i
+        self.num_committed += fresh.numel()
+
+    def run_model(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        """The model's forward pass over this runner's cache (every rank's, eager)."""
+        self.commit_new_blocks(metadata.slot_mapping)
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -180,7 +220,7 @@ class ModelRunner:
     def _forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(metadata):
             return self.graph_runner.run(input_ids, positions, metadata)
-        return self.model(input_ids, positions, self.kv_caches, metadata)
+        return self.run_model(input_ids, positions, metadata)
 
     def prepare_inputs(self, out: SchedulerOutput):
         input_ids: list[int] = []
