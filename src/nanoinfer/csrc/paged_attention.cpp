@@ -803,6 +803,16 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   // result is the same either way (the same per-head arithmetic), only who computes it differs.
   const int splits = num_runs >= omp_get_max_threads() ? 1 : Hkv;
   const int heads_per_item = Hkv / splits;
+  // Longest runs first (longest context, then most rows): threads claim items dynamically, and the last item
+  // claimed is what the other threads wait for at the end, so it should be a short one. float32, 30 layers,
+  // blocks of 256, both build orders: 20 sequences x 4 rows 15.4 -> 14.4 / 14.7 ms; 44 x 4, 64 x 1 and
+  // bfloat16 level (benchmarks/README.md, twenty-first round).
+  std::vector<int> order(num_runs);
+  for (int r = 0; r < num_runs; ++r) order[r] = r;
+  auto work = [&](int r) {
+    return std::make_pair(lens[run_starts[r + 1] - 1], run_starts[r + 1] - run_starts[r]);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return work(x) > work(y); });
   #pragma omp parallel
   {
     std::vector<float> scores, qf((size_t)Hq * D), acc((size_t)Hq * D);
@@ -818,8 +828,9 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
     if (amx) load_tile_config();
 #endif
     #pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int r = 0; r < num_runs; ++r) {
+    for (int ri = 0; ri < num_runs; ++ri) {
       for (int part = 0; part < splits; ++part) {
+        const int r = order[ri];
         const int b_first = run_starts[r], b_last = run_starts[r + 1] - 1;
         const int h0 = part * heads_per_item, h1 = h0 + heads_per_item;
         const int* table = tables + (size_t)b_first * max_blocks;
@@ -957,13 +968,13 @@ static inline void store_row(const TS* src, TC* dst, int64_t n) {
   }
 }
 
-// Rows are stored by all threads from 16 rows a step up: much of a store's time is the OS committing the
-// cache's pages on first write (W's prefill: 0.5-1 s of store on one thread, for ~420 MB of K/V; its decode
-// steps fault in a page of each layer's K and V every ~10 tokens a sequence), which two threads fault in side
-// by side. Measured (2-core Sapphire Rapids VM, 30 layers' K and V, 64 sequences x 4 rows a step over fresh
-// pages): 190-210 ms on one thread, 106-118 ms on two, for 360 MB. On resident pages two threads cost ~20 us
-// more a step below ~32 rows (the parallel region) and save 40 us at 64; the tail's few rows stay on the
-// calling thread.
+// Rows are stored by all threads from 16 rows a step up: a store into fresh pages is mostly the OS committing
+// them (W's prefill: 0.5-1 s of store on one thread, for ~420 MB of K/V), which two threads fault in side by
+// side (the engine now commits a block whole before its first store: ModelRunner.commit_new_blocks).
+// Measured (2-core Sapphire Rapids VM, 30 layers' K and V, 64 sequences x 4 rows a step over fresh pages):
+// 190-210 ms on one thread, 106-118 ms on two, for 360 MB. On resident pages two threads cost ~20 us more a
+// step below ~32 rows (the parallel region) and save 40 us at 64; the tail's few rows stay on the calling
+// thread.
 constexpr int64_t kParallelStoreRows = 16;
 
 template <typename TS, typename TC>
