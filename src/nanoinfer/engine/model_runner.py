@@ -102,7 +102,6 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # CPU: which blocks' memory the OS has committed (commit_new_blocks); None on CUDA (zeroed up front).
         self.committed = torch.zeros(num_blocks, dtype=torch.bool) if self.device.type == "cpu" else None
-        self.num_committed = 0
         # On CPU the cache's pages are committed only as blocks are first written (torch.empty's untouched
         # memory, then commit_new_blocks), so a 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB
         # of resident memory for a small job (the planner already checked the budget against available RAM).
@@ -135,7 +134,7 @@ class ModelRunner:
         ran 15.3-15.7 s, and W bfloat16 was level. A whole block is committed even where its sequence ends
         early: at most one partial block per sequence, and the planner counted every block against the memory
         budget anyway."""
-        if self.committed is None or self.num_committed == self.num_blocks:
+        if self.committed is None:
             return
         blocks = torch.unique(slot_mapping[slot_mapping >= 0] // self.block_size)
         fresh = blocks[~self.committed[blocks]]
@@ -153,7 +152,6 @@ class ModelRunner:
                     k_cache[first : last + 1].zero_()
                     v_cache[first : last + 1].zero_()
                 run_start = i
-        self.num_committed += fresh.numel()
 
     def run_model(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The model's forward pass over this runner's cache (every rank's, eager)."""
