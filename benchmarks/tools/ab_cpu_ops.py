@@ -38,6 +38,14 @@ def load_build(name: str):
     return module
 
 
+def turns(builds: dict, rep: int) -> list:
+    """The builds in the order they take turn `rep`: reversed every other turn. In a fixed order the build that
+    went first measured up to ~3% faster (stop 31: the same two builds, bfloat16 decode attention, 23.2 vs
+    24.1 ms one way round, 23.3 vs 23.8 the other)."""
+    items = list(builds.items())
+    return items if rep % 2 == 0 else items[::-1]
+
+
 def ab_gemm(builds: dict, reps: int, row_counts: list[int]) -> None:
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
     first = next(iter(builds.values()))
@@ -46,8 +54,8 @@ def ab_gemm(builds: dict, reps: int, row_counts: list[int]) -> None:
         x = {k: torch.randn(rows, k) for k, _ in shapes}
         flops = 2 * rows * sum(k * n for k, n in shapes) * len(layers)
         best = dict.fromkeys(builds, float("inf"))
-        for _ in range(reps):
-            for name, ops in builds.items():
+        for rep in range(reps):
+            for name, ops in turns(builds, rep):
                 start = time.perf_counter()
                 for weights in layers:
                     for (k, n), w in zip(shapes, weights):
@@ -83,8 +91,8 @@ def ab_decode(builds: dict, reps: int, batch: int, dtype: str) -> None:
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
     per_step = {name: [] for name in builds}
-    for _ in range(reps):
-        for name, ops in builds.items():
+    for rep in range(reps):
+        for name, ops in turns(builds, rep):
             cpu_ops_module._module = ops
             for _ in range(batch):  # fresh prompts: no prefix-cache hits across turns
                 llm.add_request([rng.randrange(49152) for _ in range(rng.randint(150, 250))], params)
@@ -123,8 +131,8 @@ def ab_attention(builds: dict, reps: int, batch: int, run_rows: int, dtype: str,
     lens_t = torch.tensor(seq_lens, dtype=torch.int32)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(torch_dtype)
     best = dict.fromkeys(builds, float("inf"))
-    for _ in range(reps):
-        for name, ops in builds.items():
+    for rep in range(reps):
+        for name, ops in turns(builds, rep):
             start = time.perf_counter()
             for k_cache, v_cache in layers:
                 ops.paged_decode(query, k_cache, v_cache, tables_t, lens_t, head_dim**-0.5)
