@@ -321,13 +321,15 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
   float* parked = parked_buf.data();  // [nq][8 tokens][8 lanes]
   float* maxes8 = max_buf.data();     // [nq][8]: running maxima, lane-wise
   std::fill(maxes8, maxes8 + nq * 8, -INFINITY);
+  const bool spread = qb == nullptr && (C == 4 || C == 8);  // key_dots_f32 asks for the rows ahead itself
+  const int lines = (int)(((size_t)(h1 - h0) * D * sizeof(T) + 63) / 64);  // of a row's heads [h0, h1)
   for (int t0 = 0; t0 < len; t0 += 8) {
     const int nt = std::min(8, len - t0);
     for (int i = 0; i < nt; ++i) {
       const int t = t0 + i;
       const T* row = k + rows[t];
-      const bool spread = qb == nullptr && (C == 4 || C == 8);  // key_dots_f32 asks for the rows ahead itself
-      if (!spread && t + kPrefetchRows < len) {
+      const bool ahead = t + kPrefetchRows < len;
+      if (!spread && ahead) {
         prefetch_row(k + rows[t + kPrefetchRows], h0, h1, D);
         // The value rows too, into L2 (a sequence's fit there), for the value pass after the softmax: it
         // then reads them from cache, where its own requests 4 rows ahead waited on DRAM.
@@ -346,10 +348,8 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
         }
       }
 #endif
-      const bool ahead = t + kPrefetchRows < len;
       const char* pk = ahead ? reinterpret_cast<const char*>(k + rows[t + kPrefetchRows] + (size_t)h0 * D) : nullptr;
       const char* pv = ahead ? reinterpret_cast<const char*>(v + rows[t + kPrefetchRows] + (size_t)h0 * D) : nullptr;
-      const int lines = (int)(((size_t)(h1 - h0) * D * sizeof(T) + 63) / 64);
       switch (C) {
         case 4: key_dots_f32<4>(row, qf, h0, h1, G, C, q0, i, parked, pk, pv, lines); break;
         case 8: key_dots_f32<8>(row, qf, h0, h1, G, C, q0, i, parked, pk, pv, lines); break;
