@@ -99,6 +99,29 @@ def test_panels_kernel_rejects_mismatched_inputs():
         linear(torch.randn(3, 8).bfloat16(), torch.empty(0), None, packed)
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("width", [1024, 1000])  # rows of whole lines; rows starting mid-line, a partial panel
+def test_big_outputs_streamed_to_memory_have_the_bits_of_small_ones(gated, width):
+    """A prefill-sized output (over 4 MiB, run_linear's streaming stores on AVX-512) against the same rows in
+    decode-sized calls (ordinary stores): the same sums, so the same bits, whichever way each line is stored."""
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler here")
+    gen = torch.Generator().manual_seed(width)
+    weight = torch.randn(2 * width if gated else width, 48, generator=gen)
+    x = torch.randn(1100, 48, generator=gen)
+    packed = pack_weight(weight, "gated" if gated else "panels")
+    run = (lambda rows: gated_linear(rows, packed)) if gated else (lambda rows: linear(rows, weight, None, packed))
+    whole = run(x)
+    assert whole.numel() * 4 >= 4 << 20
+    assert torch.equal(whole, torch.cat([run(x[i : i + 100]) for i in range(0, 1100, 100)]))
+    if gated:
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+    else:
+        expected = F.linear(x, weight)
+    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+
+
 def _gated_reference(x, weight):
     """silu(gate) * up from the plain panels GEMM and the SiLU-and-mul kernel: what the gated GEMM fuses."""
     ops = cpu_ops()

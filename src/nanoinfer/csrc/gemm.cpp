@@ -14,7 +14,8 @@
 // - rows go in chunks of 120, each packed just before use, so a chunk of x (120 x K floats) stays in L2
 //   while the panels stream past it; threads claim runs of consecutive panels that shorten towards the
 //   end (a core slowed by a neighbour takes fewer), so each knows the panel it runs next; from two chunks
-//   a thread (a prefill), threads claim whole chunks of rows instead and each runs every panel;
+//   a thread (a prefill), threads claim whole chunks of rows instead and each runs every panel, and write
+//   an output larger than the L2s with streaming stores (AVX-512, float32);
 // - the MLP's gate_up weight can be packed "gated" instead: 8 gate columns and the 8 matching up columns
 //   per panel, so a tile's two accumulator halves hold gate and up for the same 8 outputs and it stores
 //   silu(gate) * up; the [rows, 2I] projection never goes to memory;
@@ -49,6 +50,7 @@ constexpr int64_t MIN_RUN = 2;  // ...and at least this many
 // buffers (W's four decode shapes, 30 layers' weights from DRAM, 2 threads, old and new alternated: 1-11 rows
 // 1.09-1.15x with them off; from 12 rows on they pay, 96 rows ran 1.2x faster with them than without).
 constexpr int64_t kPrefetchMinRows = 12;
+constexpr int64_t kStreamOutputBytes = 4 << 20;  // a row-split output this large is written with streaming stores
 constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the panels, from this many chunks each
 
 // A share of the next panel's 64-byte lines for one register tile to prefetch, spread over its k-steps.
@@ -77,7 +79,7 @@ constexpr int64_t kL1Ahead = 16;
 // stores silu(gate) * up, the low and high halves of one accumulator.
 template <int R, int NPT, bool GATED, typename W, typename O>
 inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
-                 const int* ncols, const float* __restrict bias, Prefetch pf) {
+                 const int* ncols, const float* __restrict bias, Prefetch pf, bool stream) {
   const W* __restrict b1 = b + K * NR;
   const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
   uint64_t pf_pos = 0;
@@ -95,6 +97,26 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
       [&](int j, int64_t k) { return load16((j == 0 ? b : b1) + k * NR); },
       [&](int r, int j, __m512 sum) { acc[r][j] = sum; });
   constexpr int COLS = GATED ? NR / 2 : NR;
+  // Streaming (non-temporal) stores, for outputs far larger than the caches: a whole, aligned 64-byte line
+  // goes to memory without first being read in for ownership (run_linear says when and why).
+  auto streamable = [&](const O* out) {
+    return std::is_same_v<O, float> && stream && (reinterpret_cast<uintptr_t>(out) & 63) == 0;
+  };
+  if constexpr (GATED && NPT == 2 && std::is_same_v<O, float>) {
+    // A gated tile's two panels write 8 + 8 adjacent outputs a row: one line when both are whole.
+    if (ncols[0] == COLS && ncols[1] == COLS && streamable(c)) {
+      for (int r = 0; r < R; ++r) {
+        const __m256 y0 = silu_mul8(low8(acc[r][0]), high8(acc[r][0]));
+        const __m256 y1 = silu_mul8(low8(acc[r][1]), high8(acc[r][1]));
+        O* out = c + r * ldc;
+        if (streamable(out))
+          _mm512_stream_ps(out, _mm512_insertf32x8(_mm512_castps256_ps512(y0), y1, 1));
+        else
+          _mm256_storeu_ps(out, y0), _mm256_storeu_ps(out + COLS, y1);
+      }
+      return;
+    }
+  }
   for (int j = 0; j < NPT; ++j) {
     const int n = ncols[j];
     if constexpr (GATED) {  // no bias: the gated MLPs nanoinfer runs have none (packed_linear refuses one)
@@ -119,7 +141,10 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
       const __m512 y = _mm512_add_ps(acc[r][j], bias_v);
       O* out = c + r * ldc + j * COLS;
       if constexpr (std::is_same_v<O, float>) {
-        _mm512_mask_storeu_ps(out, mask, y);
+        if (n == COLS && streamable(out))
+          _mm512_stream_ps(out, y);
+        else
+          _mm512_mask_storeu_ps(out, mask, y);
       } else {
         alignas(64) float row[NR];
         _mm512_store_ps(row, y);
@@ -133,7 +158,7 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
 // stores silu(gate) * up: 8 outputs a row, `ncols` of them valid. One panel a tile (NPT 1).
 template <int R, int NPT, bool GATED, typename W, typename O>
 inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
-                 const int* ncols_of, const float* __restrict bias, Prefetch pf) {
+                 const int* ncols_of, const float* __restrict bias, Prefetch pf, bool) {
   static_assert(NPT == 1, "the AVX2 tile covers one panel");
   const int ncols = ncols_of[0];
   // Named accumulators, not an array: with an array GCC spills all twelve to the stack every k-step.
@@ -194,7 +219,7 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
 #else
 template <int R, int NPT, bool GATED, typename W, typename O>
 inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* ncols_of, const float* bias,
-                 Prefetch) {
+                 Prefetch, bool) {
   static_assert(NPT == 1, "the plain tile covers one panel");
   const int ncols = ncols_of[0];
   float acc[MR][NR] = {};
@@ -212,10 +237,10 @@ inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const
 // Calls tile<r> for the last r < MR rows of a panel (r from 1 to MR - 1; nothing for 0).
 template <int R, int NPT, bool GATED, typename W, typename O>
 inline void tail_tile(int r, const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* ncols,
-                      const float* bias, Prefetch pf) {
+                      const float* bias, Prefetch pf, bool stream) {
   if constexpr (R > 0) {
-    if (r == R) return tile<R, NPT, GATED>(a, b, K, c, ldc, ncols, bias, pf);
-    tail_tile<R - 1, NPT, GATED>(r, a, b, K, c, ldc, ncols, bias, pf);
+    if (r == R) return tile<R, NPT, GATED>(a, b, K, c, ldc, ncols, bias, pf, stream);
+    tail_tile<R - 1, NPT, GATED>(r, a, b, K, c, ldc, ncols, bias, pf, stream);
   }
 }
 
@@ -225,7 +250,7 @@ inline void tail_tile(int r, const float* a, const W* b, int64_t K, O* c, int64_
 // of the bandwidth.
 template <int NPT, bool GATED, typename W, typename O>
 void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* ncols, int64_t rows,
-           const float* bias, const W* next, int next_panels) {
+           const float* bias, const W* next, int next_panels, bool stream) {
   const int64_t tiles = (rows + MR - 1) / MR;
   const int64_t lines = next && rows >= kPrefetchMinRows ? (next_panels * K * NR * (int64_t)sizeof(W) + 63) / 64 : 0;
   auto share = [&](int64_t t) {  // tile t's lines of the next panels
@@ -238,8 +263,8 @@ void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* 
     return pf;
   };
   int64_t m = 0;
-  for (; m + MR <= rows; m += MR) tile<MR, NPT, GATED>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR));
-  tail_tile<MR - 1, NPT, GATED>((int)(rows - m), a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR));
+  for (; m + MR <= rows; m += MR) tile<MR, NPT, GATED>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR), stream);
+  tail_tile<MR - 1, NPT, GATED>((int)(rows - m), a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR), stream);
 }
 
 }  // namespace
@@ -350,6 +375,7 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
   const int threads = at::get_num_threads();
   // Panels [p, p + n) (n <= NP: one register tile spans them) over `rows` packed rows of x (`a`, rows m0..),
   // prefetching `next_panels` panels from panel `next` (-1: none).
+  bool stream = false;  // streaming stores for the output (the row-split path below decides)
   auto run_panels = [&](int64_t p, int n, int64_t next, int next_panels, const float* a, int64_t m0, int64_t rows) {
     int ncols[NP];
     for (int j = 0; j < n; ++j) ncols[j] = (int)std::min<int64_t>(COLS, N - (p + j) * COLS);
@@ -358,9 +384,9 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
     const float* biasp = bias ? bias + p * NR : nullptr;
     const T* nextp = next >= 0 ? b + next * K * NR : nullptr;
     if (NP == 2 && n == 2)
-      panel<NP, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels);
+      panel<NP, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels, stream);
     else
-      panel<1, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels);
+      panel<1, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels, stream);
   };
   if (M >= ROW_SPLIT_CHUNKS * MC * threads) {
     // Many rows (a prefill): each thread claims chunks of rows and runs every panel over its own chunk,
@@ -370,6 +396,12 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
     // new builds alternated (2 threads): 1,365 rows 1.02-1.10x, 8,919 rows 1.08-1.29x; W's float32
     // prefill step 14.2 / 14.7 -> 13.6 / 13.1 s. Chunks shrink towards the end so threads finish together;
     // a row's sums are the same whichever thread or chunk computes it.
+    // An output larger than both cores' L2 together leaves them before anyone reads it, and each line a store
+    // misses is first read in for ownership: a second stream of the output's bytes, on the path the weights
+    // and x come by. Streaming stores write whole lines to memory without that read. W's prefill linears
+    // (8,919 rows, outputs 20-55 MB; 4 of 30 layers' shapes, outputs kept as in a forward): 396-397 ->
+    // 427-431 GFLOP/s; 1,365 rows 403-405 -> 420-421; W float32 prefill 5.44-5.55 -> 5.26-5.29 s.
+    stream = std::is_same_v<T, float> && M * N * (int64_t)sizeof(T) >= kStreamOutputBytes;
     std::atomic<int64_t> cursor{0};
     #pragma omp parallel num_threads(threads)
     {
@@ -391,6 +423,9 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
           p += n;
         }
       }
+#if defined(NANOINFER_AVX512)
+      if (stream) _mm_sfence();  // this thread's streamed lines are in memory before the region's barrier
+#endif
     }
     return;
   }
