@@ -102,17 +102,26 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
   auto streamable = [&](const O* out) {
     return std::is_same_v<O, float> && stream && (reinterpret_cast<uintptr_t>(out) & 63) == 0;
   };
-  if constexpr (GATED && NPT == 2 && std::is_same_v<O, float>) {
-    // A gated tile's two panels write 8 + 8 adjacent outputs a row: one line when both are whole.
-    if (ncols[0] == COLS && ncols[1] == COLS && streamable(c)) {
+  if constexpr (GATED && NPT == 2) {
+    // Two whole gated panels are 16 adjacent outputs a row: their gates (the accumulators' low halves) and ups
+    // (high halves) gathered into one vector each, so SiLU runs on 16 lanes, not twice on 8. At 175 rows the
+    // gated GEMM ran 7% slower than the plain one of its shape, mostly the SiLU's exp and divide.
+    if (ncols[0] == COLS && ncols[1] == COLS) {
       for (int r = 0; r < R; ++r) {
-        const __m256 y0 = silu_mul8(low8(acc[r][0]), high8(acc[r][0]));
-        const __m256 y1 = silu_mul8(low8(acc[r][1]), high8(acc[r][1]));
+        const __m512 g = _mm512_shuffle_f32x4(acc[r][0], acc[r][1], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512 u = _mm512_shuffle_f32x4(acc[r][0], acc[r][1], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512 y = silu_mul16(g, u);
         O* out = c + r * ldc;
-        if (streamable(out))
-          _mm512_stream_ps(out, _mm512_insertf32x8(_mm512_castps256_ps512(y0), y1, 1));
-        else
-          _mm256_storeu_ps(out, y0), _mm256_storeu_ps(out + COLS, y1);
+        if constexpr (std::is_same_v<O, float>) {
+          if (streamable(out))
+            _mm512_stream_ps(out, y);
+          else
+            _mm512_storeu_ps(out, y);
+        } else {
+          alignas(64) float row[NR];
+          _mm512_store_ps(row, y);
+          for (int i = 0; i < NR; ++i) out[i] = store_as(row[i], out);
+        }
       }
       return;
     }

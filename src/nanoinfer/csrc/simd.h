@@ -162,6 +162,13 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
 }
 
+// silu_mul8 on 16 lanes, the same steps: each lane gives silu_mul8's bits.
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
+}
+
 // 16 floats rounded to bfloat16 (to nearest even; finite inputs), kept as floats: rnd8 on 16 lanes.
 static inline __m512 rnd16(__m512 x) {
   const __m512i b = _mm512_castps_si512(x);
