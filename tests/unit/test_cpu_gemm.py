@@ -100,10 +100,11 @@ def test_panels_kernel_rejects_mismatched_inputs():
 
 
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("width", [1024, 1000])  # rows of whole lines; rows starting mid-line, a partial panel
+@pytest.mark.parametrize("width", [1024, 1004])  # rows of whole lines; rows starting mid-line and a partial panel
 def test_big_outputs_streamed_to_memory_have_the_bits_of_small_ones(gated, width):
-    """A prefill-sized output (over 4 MiB, run_linear's streaming stores on AVX-512) against the same rows in
-    decode-sized calls (ordinary stores): the same sums, so the same bits, whichever way each line is stored."""
+    """A prefill-sized output (the row-split path, over 2 MiB a thread: run_linear's streaming stores on AVX-512)
+    against the same rows in decode-sized calls (ordinary stores): the same sums, so the same bits, whichever
+    way each line is stored; and, gated, the bits of the unfused kernels (8-lane SiLU)."""
     if cpu_ops() is None:
         pytest.skip("no C++ compiler here")
     gen = torch.Generator().manual_seed(width)
@@ -111,12 +112,20 @@ def test_big_outputs_streamed_to_memory_have_the_bits_of_small_ones(gated, width
     x = torch.randn(1100, 48, generator=gen)
     packed = pack_weight(weight, "gated" if gated else "panels")
     run = (lambda rows: gated_linear(rows, packed)) if gated else (lambda rows: linear(rows, weight, None, packed))
-    whole = run(x)
-    assert whole.numel() * 4 >= 4 << 20
-    assert torch.equal(whole, torch.cat([run(x[i : i + 100]) for i in range(0, 1100, 100)]))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):  # rows split by threads from 240 a thread; outputs over 2 MiB a thread streamed
+            torch.set_num_threads(n)
+            whole = run(x)
+            assert len(x) >= 240 * n and whole.numel() * 4 > (2 << 20) * n
+            assert torch.equal(whole, torch.cat([run(x[i : i + 100]) for i in range(0, 1100, 100)]))
+    finally:
+        torch.set_num_threads(threads)
     if gated:
         gate, up = F.linear(x, weight).chunk(2, dim=-1)
         expected = F.silu(gate) * up
+        if width % 8 == 0:
+            assert torch.equal(whole, _gated_reference(x, weight))
     else:
         expected = F.linear(x, weight)
     torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)

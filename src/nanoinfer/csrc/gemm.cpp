@@ -15,7 +15,7 @@
 //   while the panels stream past it; threads claim runs of consecutive panels that shorten towards the
 //   end (a core slowed by a neighbour takes fewer), so each knows the panel it runs next; from two chunks
 //   a thread (a prefill), threads claim whole chunks of rows instead and each runs every panel, and write
-//   an output larger than the L2s with streaming stores (AVX-512, float32);
+//   an output larger than the threads' L2s together with streaming stores (AVX-512, float32);
 // - the MLP's gate_up weight can be packed "gated" instead: 8 gate columns and the 8 matching up columns
 //   per panel, so a tile's two accumulator halves hold gate and up for the same 8 outputs and it stores
 //   silu(gate) * up; the [rows, 2I] projection never goes to memory;
@@ -50,7 +50,7 @@ constexpr int64_t MIN_RUN = 2;  // ...and at least this many
 // buffers (W's four decode shapes, 30 layers' weights from DRAM, 2 threads, old and new alternated: 1-11 rows
 // 1.09-1.15x with them off; from 12 rows on they pay, 96 rows ran 1.2x faster with them than without).
 constexpr int64_t kPrefetchMinRows = 12;
-constexpr int64_t kStreamOutputBytes = 4 << 20;  // a row-split output this large is written with streaming stores
+constexpr int64_t kStreamBytesPerThread = 2 << 20;  // a row-split output over this x threads is streamed (L2 a core)
 constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the panels, from this many chunks each
 
 // A share of the next panel's 64-byte lines for one register tile to prefetch, spread over its k-steps.
@@ -75,8 +75,9 @@ constexpr int64_t kL1Ahead = 16;
 
 // R rows of NPT (1 or 2) consecutive panels: panel j's weights at b + j * K * NR, its outputs at
 // c + j * COLS (COLS = 8 gated, else 16), `ncols[j]` of them valid, its bias at bias + j * NR.
-// GATED: a panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight), and the tile
-// stores silu(gate) * up, the low and high halves of one accumulator.
+// GATED: a panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight): each accumulator's
+// low half is gate, its high half up, and the tile stores silu(gate) * up (two whole panels' halves gathered
+// into one 16-lane SiLU, a lone or partial panel's on 8 lanes).
 template <int R, int NPT, bool GATED, typename W, typename O>
 inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
                  const int* ncols, const float* __restrict bias, Prefetch pf, bool stream) {
@@ -97,15 +98,16 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
       [&](int j, int64_t k) { return load16((j == 0 ? b : b1) + k * NR); },
       [&](int r, int j, __m512 sum) { acc[r][j] = sum; });
   constexpr int COLS = GATED ? NR / 2 : NR;
-  // Streaming (non-temporal) stores, for outputs far larger than the caches: a whole, aligned 64-byte line
-  // goes to memory without first being read in for ownership (run_linear says when and why).
+  // Streaming (non-temporal) stores, for outputs larger than the threads' L2s together (run_linear says when
+  // and why): a line goes to memory without first being read in for ownership. Only for an aligned line the
+  // store writes whole (the callers check it is whole: all 16 columns of it valid).
   auto streamable = [&](const O* out) {
     return std::is_same_v<O, float> && stream && (reinterpret_cast<uintptr_t>(out) & 63) == 0;
   };
   if constexpr (GATED && NPT == 2) {
     // Two whole gated panels are 16 adjacent outputs a row: their gates (the accumulators' low halves) and ups
-    // (high halves) gathered into one vector each, so SiLU runs on 16 lanes, not twice on 8. At 175 rows the
-    // gated GEMM ran 7% slower than the plain one of its shape, mostly the SiLU's exp and divide.
+    // (high halves) gathered into one vector each, so SiLU runs on 16 lanes, not twice on 8. With two 8-lane
+    // SiLUs the gated GEMM ran 7% slower than the plain one of its shape at 175 rows; now it runs level.
     if (ncols[0] == COLS && ncols[1] == COLS) {
       for (int r = 0; r < R; ++r) {
         const __m512 g = _mm512_shuffle_f32x4(acc[r][0], acc[r][1], _MM_SHUFFLE(1, 0, 1, 0));
@@ -405,12 +407,12 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
     // new builds alternated (2 threads): 1,365 rows 1.02-1.10x, 8,919 rows 1.08-1.29x; W's float32
     // prefill step 14.2 / 14.7 -> 13.6 / 13.1 s. Chunks shrink towards the end so threads finish together;
     // a row's sums are the same whichever thread or chunk computes it.
-    // An output larger than both cores' L2 together leaves them before anyone reads it, and each line a store
+    // An output larger than the threads' L2s together leaves them before anyone reads it, and each line a store
     // misses is first read in for ownership: a second stream of the output's bytes, on the path the weights
     // and x come by. Streaming stores write whole lines to memory without that read. W's prefill linears
     // (8,919 rows, outputs 20-55 MB; 4 of 30 layers' shapes, outputs kept as in a forward): 396-397 ->
     // 427-431 GFLOP/s; 1,365 rows 403-405 -> 420-421; W float32 prefill 5.44-5.55 -> 5.26-5.29 s.
-    stream = std::is_same_v<T, float> && M * N * (int64_t)sizeof(T) >= kStreamOutputBytes;
+    stream = std::is_same_v<T, float> && M * N * (int64_t)sizeof(T) > kStreamBytesPerThread * threads;
     std::atomic<int64_t> cursor{0};
     #pragma omp parallel num_threads(threads)
     {
@@ -433,7 +435,7 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
         }
       }
 #if defined(NANOINFER_AVX512)
-      if (stream) _mm_sfence();  // this thread's streamed lines are in memory before the region's barrier
+      if (stream) _mm_sfence();  // this thread's streamed stores are ordered before the region's barrier
 #endif
     }
     return;
