@@ -384,9 +384,9 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
   // fresh allocation would be page-faulted in every time).
   static thread_local std::vector<float> buffer;
   const int threads = at::get_num_threads();
+  bool stream = false;  // streaming stores for the output (the row-split path below decides)
   // Panels [p, p + n) (n <= NP: one register tile spans them) over `rows` packed rows of x (`a`, rows m0..),
   // prefetching `next_panels` panels from panel `next` (-1: none).
-  bool stream = false;  // streaming stores for the output (the row-split path below decides)
   auto run_panels = [&](int64_t p, int n, int64_t next, int next_panels, const float* a, int64_t m0, int64_t rows) {
     int ncols[NP];
     for (int j = 0; j < n; ++j) ncols[j] = (int)std::min<int64_t>(COLS, N - (p + j) * COLS);
