@@ -15,7 +15,7 @@
 //   while the panels stream past it; threads claim runs of consecutive panels that shorten towards the
 //   end (a core slowed by a neighbour takes fewer), so each knows the panel it runs next; from two chunks
 //   a thread (a prefill), threads claim whole chunks of rows instead and each runs every panel, and write
-//   an output larger than the threads' L2s together with streaming stores (AVX-512, float32);
+//   an output too large for the next op to find in cache with streaming stores (AVX-512, float32);
 // - the MLP's gate_up weight can be packed "gated" instead: 8 gate columns and the 8 matching up columns
 //   per panel, so a tile's two accumulator halves hold gate and up for the same 8 outputs and it stores
 //   silu(gate) * up; the [rows, 2I] projection never goes to memory;
@@ -50,7 +50,7 @@ constexpr int64_t MIN_RUN = 2;  // ...and at least this many
 // buffers (W's four decode shapes, 30 layers' weights from DRAM, 2 threads, old and new alternated: 1-11 rows
 // 1.09-1.15x with them off; from 12 rows on they pay, 96 rows ran 1.2x faster with them than without).
 constexpr int64_t kPrefetchMinRows = 12;
-constexpr int64_t kStreamBytesPerThread = 2 << 20;  // a row-split output over this x threads is streamed (L2 a core)
+constexpr int64_t kStreamOutputBytes = 16 << 20;  // a row-split output over this is written with streaming stores
 constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the panels, from this many chunks each
 
 // A share of the next panel's 64-byte lines for one register tile to prefetch, spread over its k-steps.
@@ -98,8 +98,8 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
       [&](int j, int64_t k) { return load16((j == 0 ? b : b1) + k * NR); },
       [&](int r, int j, __m512 sum) { acc[r][j] = sum; });
   constexpr int COLS = GATED ? NR / 2 : NR;
-  // Streaming (non-temporal) stores, for outputs larger than the threads' L2s together (run_linear says when
-  // and why): a line goes to memory without first being read in for ownership. Only for an aligned line the
+  // Streaming (non-temporal) stores, for outputs too large for the next op to find in cache (run_linear says
+  // when and why): a line goes to memory without first being read in for ownership. Only for an aligned line the
   // store writes whole (the callers check it is whole: all 16 columns of it valid).
   auto streamable = [&](const O* out) {
     return std::is_same_v<O, float> && stream && (reinterpret_cast<uintptr_t>(out) & 63) == 0;
@@ -407,12 +407,13 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
     // new builds alternated (2 threads): 1,365 rows 1.02-1.10x, 8,919 rows 1.08-1.29x; W's float32
     // prefill step 14.2 / 14.7 -> 13.6 / 13.1 s. Chunks shrink towards the end so threads finish together;
     // a row's sums are the same whichever thread or chunk computes it.
-    // An output larger than the threads' L2s together leaves them before anyone reads it, and each line a store
-    // misses is first read in for ownership: a second stream of the output's bytes, on the path the weights
-    // and x come by. Streaming stores write whole lines to memory without that read. W's prefill linears
-    // (8,919 rows, outputs 20-55 MB; 4 of 30 layers' shapes, outputs kept as in a forward): 396-397 ->
-    // 427-431 GFLOP/s; 1,365 rows 403-405 -> 420-421; W float32 prefill 5.44-5.55 -> 5.26-5.29 s.
-    stream = std::is_same_v<T, float> && M * N * (int64_t)sizeof(T) > kStreamBytesPerThread * threads;
+    // Each line a store misses is first read in for ownership: a second stream of the output's bytes, on the
+    // path the weights and x come by. Streaming stores write whole lines to memory without that read, but
+    // then the next op reads the output from memory, not from L3. On the 2-core VM (~100 MB of L3 in use)
+    // W's prefill in one step (8,919 rows, outputs 20-55 MB) ran its linears at 427-431 GFLOP/s against
+    // 396-397 and the step in 5.26-5.29 s against 5.44-5.55; in steps of 2,048 or 1,024 rows (outputs
+    // 2.4-12.6 MB) streaming from 4 MiB made the steps 1-3% slower, so only outputs over 16 MiB stream.
+    stream = std::is_same_v<T, float> && M * N * (int64_t)sizeof(T) > kStreamOutputBytes;
     std::atomic<int64_t> cursor{0};
     #pragma omp parallel num_threads(threads)
     {
