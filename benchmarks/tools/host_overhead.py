@@ -41,7 +41,7 @@ def main() -> None:
               cpu_kvcache_space_gib=2)  # fmt: skip
     runner = llm.engine.model_runner
     hidden_size = llm.config.hf_config.hidden_size
-    runner._forward = lambda input_ids, positions, metadata: torch.zeros(input_ids.shape[0], hidden_size)
+    runner._forward = lambda input_ids, positions, metadata, rows: torch.zeros(len(rows), hidden_size)
 
     rng = random.Random(0)
     vocab = llm.config.hf_config.vocab_size

@@ -206,6 +206,31 @@ def test_first_step_logits_match_transformers(tiny_model_dirs, references, famil
     assert max_diff < 1e-4, max_diff
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_layer_runs_only_the_rows_a_step_samples_with_the_same_bits(tiny_model_dirs, references, family):
+    """A prompt step samples one row a prompt, so the last layer's o_proj, norms and MLP run for those rows
+    alone (DecoderModel.forward's logits_indices): the kept rows' hidden states are the full pass's bit for
+    bit, the MLP sees 16 rows instead of 2,052, and a step that samples nothing returns no rows."""
+    prompts, _, _ = references[family, "mixed"]
+    llm = LLM(str(tiny_model_dirs[family]), device="cpu", dtype="float32", max_model_len=512,
+              cpu_kvcache_space_gib=0.25)  # fmt: skip
+    runner = llm.engine.model_runner
+    for i, prompt in enumerate(prompts):
+        llm.engine.scheduler.add_request(Request(f"r{i}", prompt, GREEDY))
+    input_ids, positions, metadata, sample_indices, _ = runner.prepare_inputs(llm.engine.scheduler.schedule())
+    assert len(sample_indices) == len(prompts) < input_ids.numel()
+    last_mlp = runner.model.model.layers[-1].mlp
+    rows_seen = []
+    last_mlp.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[0]))
+    with torch.inference_mode():
+        full = runner.run_model(input_ids, positions, metadata)
+        kept = runner.run_model(input_ids, positions, metadata, sample_indices)
+        none = runner.run_model(input_ids, positions, metadata, sample_indices[:0])
+    assert rows_seen == [input_ids.numel(), len(prompts)]  # the third pass skipped the MLP
+    assert torch.equal(kept, full[sample_indices])
+    assert none.shape == (0, full.shape[1])
+
+
 SYSTEM_PROMPT = (
     "You are a careful assistant for a geography quiz. Answer in one short sentence. "
     + " ".join(f"Rule {i}: be accurate, be brief, and name the place you mean." for i in range(1, 25))

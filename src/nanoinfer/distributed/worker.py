@@ -81,10 +81,10 @@ def _from_wire(value, device: torch.device):
 @torch.inference_mode()
 def forward_shard(runner, input_ids, positions, metadata, sample_indices, with_logits: bool):
     """This rank's part of one step; every rank calls it with the same inputs (the collectives pair up)."""
-    hidden_states = runner.run_model(input_ids, positions, metadata)
+    hidden_states = runner.run_model(input_ids, positions, metadata, sample_indices)
     if not with_logits:
         return None
-    return runner.model.compute_logits(hidden_states[sample_indices])
+    return runner.model.compute_logits(hidden_states)
 
 
 # ---- the process ----------------------------------------------------------------------------------------

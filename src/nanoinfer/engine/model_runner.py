@@ -153,10 +153,11 @@ class ModelRunner:
                     v_cache[first : last + 1].zero_()
                 run_start = i
 
-    def run_model(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
-        """The model's forward pass over this runner's cache (every rank's, eager)."""
+    def run_model(self, input_ids, positions, metadata: AttentionMetadata, logits_indices=None) -> torch.Tensor:
+        """The model's forward pass over this runner's cache (every rank's, eager): the final hidden states
+        of every row, or of the rows in logits_indices (the model then skips the others' last-layer work)."""
         self.commit_new_blocks(metadata.slot_mapping)
-        return self.model(input_ids, positions, self.kv_caches, metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata, logits_indices)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -198,10 +199,9 @@ class ModelRunner:
         """Run one step; returns seq_id -> the token ids sampled for the sequences that reached their end
         (one each, or one per scheduled token of a speculated sequence)."""
         input_ids, positions, metadata, sample_indices, sample_seqs = self.prepare_inputs(out)
-        hidden_states = self._forward(input_ids, positions, metadata)
+        hidden_states = self._forward(input_ids, positions, metadata, sample_indices)
         if not sample_seqs:
             return {}
-        hidden_states = hidden_states[sample_indices]
         lm_head = self.model.lm_head
         if lm_head.has_greedy_kernel and all(s.params.is_plain_greedy for s in sample_seqs):
             return group_by_sequence(sample_seqs, lm_head.greedy_token_ids(hidden_states).tolist())
@@ -212,13 +212,14 @@ class ModelRunner:
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits of the sequences that reach their end this step (for tests against transformers)."""
         input_ids, positions, metadata, sample_indices, _ = self.prepare_inputs(out)
-        hidden_states = self._forward(input_ids, positions, metadata)
-        return self.model.compute_logits(hidden_states[sample_indices]).float()
+        hidden_states = self._forward(input_ids, positions, metadata, sample_indices)
+        return self.model.compute_logits(hidden_states).float()
 
-    def _forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, input_ids, positions, metadata: AttentionMetadata, sample_indices) -> torch.Tensor:
+        """The final hidden states of the rows in sample_indices, in that order."""
         if self.graph_runner is not None and self.graph_runner.can_run(metadata):
-            return self.graph_runner.run(input_ids, positions, metadata)
-        return self.run_model(input_ids, positions, metadata)
+            return self.graph_runner.run(input_ids, positions, metadata)[sample_indices]
+        return self.run_model(input_ids, positions, metadata, sample_indices)
 
     def prepare_inputs(self, out: SchedulerOutput):
         input_ids: list[int] = []

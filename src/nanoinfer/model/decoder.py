@@ -51,7 +51,10 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, positions, hidden_states, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata):
+    def forward(self, positions, hidden_states, kv_cache: tuple[torch.Tensor, torch.Tensor], metadata,
+                output_rows=None):
+        """Attention's output projected back to the hidden size: every row, or only output_rows (see
+        DecoderModel.forward: the last layer's other rows are never read)."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -62,8 +65,10 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         self.backend.store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale, new_kv=(k, v))
-        return self.o_proj(out.reshape(-1, self.q_size))
+        if output_rows is not None and output_rows.numel() == 0:  # only the keys and values were needed
+            return hidden_states.new_empty(0, hidden_states.shape[-1])
+        out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale, new_kv=(k, v)).reshape(-1, self.q_size)
+        return self.o_proj(out if output_rows is None else out[output_rows])
 
 
 # On CPU the MLP of a long prefill step runs this many bytes of [rows, 2 x intermediate] activations at a
@@ -105,13 +110,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual, kv_cache, metadata):
+    def forward(self, positions, hidden_states, residual, kv_cache, metadata, output_rows=None):
+        """(hidden, residual) of every row, or of output_rows only (their attention still sees every row)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, metadata)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, metadata, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
+            if output_rows.numel() == 0:
+                return hidden_states, residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -127,14 +137,29 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self._fused: tuple | None = None  # (kv_caches, FusedDecode or None): see _fused_decode
 
-    def forward(self, input_ids, positions, kv_caches, metadata):
+    def forward(self, input_ids, positions, kv_caches, metadata, logits_indices=None):
+        """The final hidden states of every row, or of the rows in logits_indices (in that order).
+
+        Why logits_indices: only the rows a step samples are read after the model, and the last layer's
+        keys and values come from its input, so its o_proj, MLP and norms run for those rows alone. In a
+        prompt's step that is one row in ~140 (W float32: ~2.8% of the prefill's FLOPs); each kept row's
+        arithmetic, and so its bits, are the same as when every row runs (the kernels' row sums do not
+        depend on how many rows there are)."""
         hidden_states, residual = self.embed_tokens(input_ids), None
+        if logits_indices is not None and logits_indices.numel() == input_ids.numel():
+            logits_indices = None  # every row is read (decode): nothing to leave out
         fused = self._fused_decode(kv_caches) if metadata.is_pure_decode and input_ids.device.type == "cpu" else None
         if fused is not None:  # every layer in one C++ call, same kernels and bits (model/cpu_decode.py)
             hidden_states, residual = fused.run(hidden_states, positions, metadata)
+            if logits_indices is not None:
+                hidden_states, residual = hidden_states[logits_indices], residual[logits_indices]
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
+            last = len(self.layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                rows = logits_indices if i == last else None
+                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata, rows)
+        if hidden_states.shape[0] == 0:
+            return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -166,8 +191,8 @@ class CausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, metadata)
+    def forward(self, input_ids, positions, kv_caches, metadata: AttentionMetadata, logits_indices=None):
+        return self.model(input_ids, positions, kv_caches, metadata, logits_indices)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
