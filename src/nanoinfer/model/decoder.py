@@ -71,13 +71,16 @@ class Attention(nn.Module):
         return self.o_proj(out if output_rows is None else out[output_rows])
 
 
-# On CPU the MLP of a long prefill step runs this many bytes of [rows, 2 x intermediate] activations at a
-# time (at least 64 rows). glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh
-# mappings that are page-faulted in on every call: a 9,000-token step's gate_up output (110 MB for
-# SmolLM2) cost more in page faults than in FLOPs (the GEMM ran at 80 instead of 119 GFLOP/s, measured).
-# Chunks this size are reused from the heap. Rows are independent, so the result is the same (bit for bit
-# with our panel GEMM, whose per-row sums do not depend on the number of rows).
-CPU_MLP_CHUNK_BYTES = 16 << 20
+# On CPU the MLP of a long prefill step runs at most this many bytes of [rows, 2 x intermediate] activations
+# at a time (at least 64 rows), which bounds the step's activation peak for wide MLPs (float32, 14,336 wide:
+# ~2,300 rows a chunk). Rows are independent, so the result is the same (bit for bit with our panel GEMM,
+# whose per-row sums do not depend on the number of rows).
+# It was 16 MiB, when glibc served larger blocks as fresh mappings page-faulted in on every call; since CPU
+# processes keep freed blocks in the heap (cpu_ops.keep_freed_memory_for_reuse), chunks that small only cost:
+# W float32's prefill step (8,919 rows, SmolLM2: one 256 MiB chunk, against 7 of 16 MiB) 6.47-6.64 -> 6.12-6.41
+# s, alternated in one process, same bits (outputs over 16 MiB go out with streaming stores, smaller ones
+# were copied into the step's output); bfloat16 level (1.79 s).
+CPU_MLP_CHUNK_BYTES = 256 << 20
 
 
 class MLP(nn.Module):
