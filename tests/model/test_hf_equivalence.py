@@ -172,6 +172,60 @@ def test_speculation_gives_the_tokens_of_plain_decoding(tmp_path, dtype):
     assert llm.engine.scheduler.num_accepted_tokens > 0
 
 
+def _snap_linears_to_q4_1(path) -> None:
+    """Rewrite a saved model's linear weights as a GGUF Q4_1 file dequantizes them (llama.cpp's quantizer: per
+    32 inputs m = min, d = (max - min) / 15, q = round((x - m) / d); then float16 d * q + float16 m)."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name, w in tensors.items():
+        if w.dim() != 2 or "embed" in name or "lm_head" in name:
+            continue
+        blocks = w.reshape(w.shape[0], -1, 32)
+        lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        q = ((blocks - lo) / d).add(0.5).floor().clamp(0, 15)
+        tensors[name] = (d.half().float() * q + lo.half().float()).reshape(w.shape).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_exact_4bit_weights_give_transformers_tokens_and_the_bits_of_float32_panels(tmp_path, monkeypatch):
+    """A float32 model whose linears are exactly 4-bit blocks (what a GGUF Q4_1 file dequantizes to; the built-in
+    default model is one) keeps them in that form too, and the GEMM's small steps read it (csrc/q4_panels.h):
+    the tokens of transformers, and the log-probabilities of the float32 panels alone to the bit, in the fused
+    decode loop and the per-layer path."""
+    from nanoinfer.model.cpu_decode import FusedDecode
+    from nanoinfer.testing.tiny_models import build_tiny_model
+
+    if cpu_ops() is None or cpu_ops().simd != "avx512":
+        pytest.skip("the GEMM expands 4-bit weights with AVX-512 only")
+    import transformers
+
+    path = build_tiny_model("llama", tmp_path / "llama", hidden_size=96, num_heads=6, num_kv_heads=2, head_dim=16)
+    _snap_linears_to_q4_1(path)
+    vocab_size = transformers.AutoConfig.from_pretrained(path).vocab_size
+    # 32 prompts: decode steps of 32 rows, which run the 4-bit form in chunked tiles
+    prompts = make_prompts(vocab_size, seed=3) + make_prompts(vocab_size, seed=4)
+    expected, _ = hf_greedy(path, prompts, 24)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    settings = dict(device="cpu", dtype="float32", max_model_len=512, cpu_kvcache_space_gib=0.25)
+    llm = LLM(str(path), **settings)
+    model = llm.engine.model_runner.model
+    projections = [m for m in model.modules()
+                   if getattr(m, "packed_weight", None) is not None and m is not model.lm_head]  # fmt: skip
+    assert projections and all(m.packed_weight.compact is not None for m in projections)
+    fused = llm.generate(prompts, params)
+    assert [out.token_ids for out in fused] == expected
+    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda model, kv_caches: False))
+    looped = LLM(str(path), **settings).generate(prompts, params)
+    monkeypatch.setattr("nanoinfer.model.cpu_gemm.pack_compact", lambda weight, gated: None)
+    plain = LLM(str(path), **settings).generate(prompts, params)
+    for a, b, c in zip(fused, looped, plain):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs == c.outputs[0].logprobs
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlp_row_chunks_match_transformers(tiny_model_dirs, references, family, monkeypatch):
     """A long prefill's MLP runs in row chunks on CPU (decoder.CPU_MLP_CHUNK_BYTES); at the 64-row floor

@@ -22,7 +22,9 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor pack_gated_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
+                            const c10::optional<torch::Tensor>& bias, int64_t N, bool gated,
+                            const c10::optional<torch::Tensor>& compact);
+torch::Tensor pack_q4_panels(const torch::Tensor& weight, bool gated);
 torch::Tensor pack_amx_weight(const torch::Tensor& weight, bool gated);
 torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed,
                          const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
@@ -51,9 +53,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[2I, K] gate_up weight -> [ceil(I/8), K, 16] panels of 8 gate and the 8 matching up columns");
   m.def("packed_linear", &packed_linear,
         "x W^T + b with W from pack_linear_weight (float32 or bfloat16, float32 sums); gated: W from "
-        "pack_gated_weight, out = silu(x Wg^T) * (x Wu^T)",
+        "pack_gated_weight, out = silu(x Wg^T) * (x Wu^T); compact: the same weight from pack_q4_panels, read "
+        "instead of the float32 panels (the same bits)",
         pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"),
-        pybind11::arg("gated") = false);
+        pybind11::arg("gated") = false, pybind11::arg("compact") = pybind11::none());
+  m.def("pack_q4_panels", &pack_q4_panels,
+        "[N, K] float32 weight (gated: [2I, K]) -> its panels as exact 4-bit blocks (d * q + m, float16 d and m "
+        "per 32 inputs) for packed_linear's compact, or an empty tensor when a value is not exactly one",
+        pybind11::arg("weight"), pybind11::arg("gated") = false);
   m.def("amx_available", &amx_available, "can this build and CPU run amx_linear (AMX bfloat16, OS permission)?");
   m.def("pack_amx_weight", &pack_amx_weight,
         "[N, K] bfloat16 weight -> AMX pairs of 32 columns (gated: [2I, K] -> 16 gate + 16 up columns a pair)",

@@ -23,7 +23,7 @@
 //   register tiles. In decode the weights come from DRAM once per step, and without this the first tile
 //   of each panel waited on memory while the others left the bus idle. Measured on W (2 threads, old
 //   and new builds alternated): decode 50.4 / 48.3 s -> 38.7 / 41.8 s, output 135-142 -> 153-162 tok/s.
-#include "simd.h"
+#include "q4_panels.h"
 
 #include <atomic>
 #include <type_traits>
@@ -52,6 +52,11 @@ constexpr int64_t MIN_RUN = 2;  // ...and at least this many
 constexpr int64_t kPrefetchMinRows = 12;
 constexpr int64_t kStreamOutputBytes = 16 << 20;  // a row-split output over this is written with streaming stores
 constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the panels, from this many chunks each
+// Up to this many rows a call given a weight's exact 4-bit form (pack_q4_panels) runs on it: below, the step is
+// bound by streaming the float32 weights; above, by the FMAs, and expanding costs more than the bytes it saves.
+// 30 layers' four linears, SmolLM2-135M, 2 threads, float32 -> 4-bit: 1 / 12 / 28 / 48 / 64 / 128 rows
+// 16.3 -> 6.4, 20.8 -> 11.5, 28.5 -> 25.3, 38.6 -> 37.8, 47.2 -> 49.3, 84.8 -> 90.0 ms.
+constexpr int64_t kQ4MaxRows = 48;
 
 // A share of the next panel's 64-byte lines for one register tile to prefetch, spread over its k-steps.
 // A tile's share is at most one line per k-step (a panel has K * 16 * 4 / 64 = K lines in float32, and
@@ -61,6 +66,11 @@ constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the pane
 struct Prefetch {
   const char* line = nullptr;
   uint64_t step = 0;  // 64-byte lines per k-step, 32.32 fixed point; 0: no prefetch (the line is re-read)
+};
+
+// A tile's weights as exact 4-bit blocks (csrc/q4_panels.h): its first panel's bytes; a second follows at once.
+struct Q4Panels {
+  const uint8_t* q;
 };
 
 // Output element from a float32 sum: bfloat16 rounds to nearest even (what torch's conversion does).
@@ -73,18 +83,13 @@ inline at::BFloat16 store_as(float x, at::BFloat16*) { return static_cast<at::BF
 // at ~81%); with them, W's decode shapes ran 4-8% faster and 1,365 rows 4.6% (8 k-steps ahead: about the same).
 constexpr int64_t kL1Ahead = 16;
 
-// R rows of NPT (1 or 2) consecutive panels: panel j's weights at b + j * K * NR, its outputs at
-// c + j * COLS (COLS = 8 gated, else 16), `ncols[j]` of them valid, its bias at bias + j * NR.
-// GATED: a panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight): each accumulator's
-// low half is gate, its high half up, and the tile stores silu(gate) * up (two whole panels' halves gathered
-// into one 16-lane SiLU, a lone or partial panel's on 8 lanes).
-template <int R, int NPT, bool GATED, typename W, typename O>
-inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O* __restrict c, int64_t ldc,
-                 const int* ncols, const float* __restrict bias, Prefetch pf, bool stream) {
+// R rows x NPT panels of float32 (or bfloat16) weights at b (panel j at b + j * K * NR): the sums into acc.
+template <int R, int NPT, typename W>
+inline void accumulate(const float* __restrict a, const W* __restrict b, int64_t K, Prefetch pf,
+                       __m512 (&acc)[MR][2]) {
   const W* __restrict b1 = b + K * NR;
   const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
   uint64_t pf_pos = 0;
-  __m512 acc[MR][2];
   fma_tile_12x2<R, NPT>(
       K,
       [&](int64_t k) {
@@ -97,6 +102,72 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
       [&](int r, int64_t k) { return a[k * R + r]; },
       [&](int j, int64_t k) { return load16((j == 0 ? b : b1) + k * NR); },
       [&](int r, int j, __m512 sum) { acc[r][j] = sum; });
+}
+
+// The same sums with the weights expanded from 4-bit blocks in registers, two k-steps from each 16 bytes: the same
+// float32 values multiplied in the same order (fma(q, d, m), as expand_q4_panels), so the same bits, without
+// writing the panel out and reading it back (which kept a 1-row step at 7.2 ms against ~2-3 of arithmetic).
+template <int R, int NPT>
+inline void accumulate(const float* __restrict a, Q4Panels b, int64_t K, Prefetch pf, __m512 (&acc)[MR][2]) {
+  const uint8_t* __restrict q0 = b.q;
+  const uint8_t* __restrict q1 = b.q + q4_panel_bytes(K);
+  const char* pf_line = pf.line;
+  uint64_t pf_pos = 0;
+  const __m512i low = _mm512_set1_epi32(15);
+  __m512 d0, m0, d1, m1;
+  __m512i v0, v1;
+  fma_tile_12x2<R, NPT>(
+      K,
+      [&](int64_t k) {
+        if (pf_line) {
+          _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
+          pf_pos += pf.step;
+        }
+        const int64_t blk = k / kQ4Group * kQ4BlockBytes;
+        if (k % kQ4Group == 0) {
+          d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + blk)));
+          m0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + blk + 32)));
+          if constexpr (NPT == 2) {
+            d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + blk)));
+            m1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + blk + 32)));
+          }
+        }
+        if (k % 2 == 0) {
+          const int64_t pair = blk + kQ4HeaderBytes + 16 * (k % kQ4Group / 2);
+          v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + pair)));
+          if constexpr (NPT == 2) v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + pair)));
+        }
+      },
+      [&](int r, int64_t k) { return a[k * R + r]; },
+      [&](int j, int64_t k) {
+        const __m512i v = j == 0 ? v0 : v1;
+        const __m512i q = k % 2 == 0 ? _mm512_and_si512(v, low) : _mm512_srli_epi32(v, 4);
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), j == 0 ? d0 : d1, j == 0 ? m0 : m1);
+      },
+      [&](int r, int j, __m512 sum) { acc[r][j] = sum; });
+}
+
+// R rows of NPT (1 or 2) consecutive panels: panel j's weights at b + j * K * NR (or its 4-bit blocks), its
+// outputs at c + j * COLS (COLS = 8 gated, else 16), `ncols[j]` of them valid, its bias at bias + j * NR.
+// GATED: a panel holds 8 gate columns then the 8 matching up columns (pack_gated_weight): each accumulator's
+// low half is gate, its high half up, and the tile stores silu(gate) * up (two whole panels' halves gathered
+// into one 16-lane SiLU, a lone or partial panel's on 8 lanes).
+template <int R, int NPT, bool GATED, typename O>
+inline void store_tile(const __m512 (&acc)[MR][2], O* __restrict c, int64_t ldc, const int* ncols,
+                       const float* __restrict bias, bool stream);
+
+template <int R, int NPT, bool GATED, typename B, typename O>
+inline void tile(const float* __restrict a, B b, int64_t K, O* __restrict c, int64_t ldc,
+                 const int* ncols, const float* __restrict bias, Prefetch pf, bool stream) {
+  __m512 acc[MR][2];
+  accumulate<R, NPT>(a, b, K, pf, acc);
+  store_tile<R, NPT, GATED>(acc, c, ldc, ncols, bias, stream);
+}
+
+// A tile's sums to its outputs (+ bias, or silu(gate) * up when GATED).
+template <int R, int NPT, bool GATED, typename O>
+inline void store_tile(const __m512 (&acc)[MR][2], O* __restrict c, int64_t ldc, const int* ncols,
+                       const float* __restrict bias, bool stream) {
   constexpr int COLS = GATED ? NR / 2 : NR;
   // Streaming (non-temporal) stores, for outputs too large for the next op to find in cache (run_linear says
   // when and why): a line goes to memory without first being read in for ownership. Only for an aligned line the
@@ -246,8 +317,8 @@ inline void tile(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const
 #endif
 
 // Calls tile<r> for the last r < MR rows of a panel (r from 1 to MR - 1; nothing for 0).
-template <int R, int NPT, bool GATED, typename W, typename O>
-inline void tail_tile(int r, const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* ncols,
+template <int R, int NPT, bool GATED, typename B, typename O>
+inline void tail_tile(int r, const float* a, B b, int64_t K, O* c, int64_t ldc, const int* ncols,
                       const float* bias, Prefetch pf, bool stream) {
   if constexpr (R > 0) {
     if (r == R) return tile<R, NPT, GATED>(a, b, K, c, ldc, ncols, bias, pf, stream);
@@ -255,15 +326,18 @@ inline void tail_tile(int r, const float* a, const W* b, int64_t K, O* c, int64_
   }
 }
 
-// rows x NPT panels' outputs; x's rows are packed in MR-row blocks (the last may be shorter). `next` is the
-// first of the `next_panels` panels this thread runs after these (or null), prefetched evenly over all of
+// rows x NPT panels' outputs; x's rows are packed in MR-row blocks (the last may be shorter). `next` is where
+// the panels this thread runs after these start (or null), `next_bytes` of them, prefetched evenly over all of
 // these panels' tiles: the first tile alone would ask DRAM for a line per k-step, faster than a core's share
 // of the bandwidth.
-template <int NPT, bool GATED, typename W, typename O>
-void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* ncols, int64_t rows,
-           const float* bias, const W* next, int next_panels, bool stream) {
+template <int NPT, bool GATED, typename B, typename O>
+void panel(const float* a, B b, int64_t K, O* c, int64_t ldc, const int* ncols, int64_t rows,
+           const float* bias, const void* next, int64_t next_bytes, bool stream) {
   const int64_t tiles = (rows + MR - 1) / MR;
-  const int64_t lines = next && rows >= kPrefetchMinRows ? (next_panels * K * NR * (int64_t)sizeof(W) + 63) / 64 : 0;
+  // 4-bit weights are prefetched at any row count: expanding them keeps even a 1-row tile busy long enough to
+  // spread the prefetches over (1 / 4 / 12 rows, 30 layers: 6.65 / 7.49 / 12.43 -> 5.97 / 6.92 / 11.14 ms).
+  const int64_t min_rows = std::is_same_v<B, Q4Panels> ? 0 : kPrefetchMinRows;
+  const int64_t lines = next && rows >= min_rows ? (next_bytes + 63) / 64 : 0;
   auto share = [&](int64_t t) {  // tile t's lines of the next panels
     const int64_t first = lines * t / tiles, last = lines * (t + 1) / tiles;
     Prefetch pf;
@@ -277,6 +351,74 @@ void panel(const float* a, const W* b, int64_t K, O* c, int64_t ldc, const int* 
   for (; m + MR <= rows; m += MR) tile<MR, NPT, GATED>(a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR), stream);
   tail_tile<MR - 1, NPT, GATED>((int)(rows - m), a + m * K, b, K, c + m * ldc, ldc, ncols, bias, share(m / MR), stream);
 }
+
+#if defined(NANOINFER_AVX512)
+// Calls f(std::integral_constant<int, R>) for R = r (1..MR).
+template <int R, typename F>
+inline void with_rows(int r, F&& f) {
+  if constexpr (R > 0) {
+    if (r == R) return f(std::integral_constant<int, R>{});
+    with_rows<R - 1>(r, f);
+  }
+}
+
+// k-steps of a tile's panels expanded from 4-bit blocks at a time: 2 x 192 x 16 floats, 24 KB, which stay in L1
+// while every row tile runs over them.
+constexpr int64_t kQ4Chunk = 192;
+
+// One row tile over a chunk of kc k-steps of expanded panels (w; panel 1 at w + kc * NR), its sums carried on
+// from `sums` (unless first) and left there (unless last, which stores the outputs as tile() does).
+template <int R, int NPT, bool GATED, typename O>
+inline void q4_chunk_tile(const float* __restrict a, const float* __restrict w, int64_t kc, float* __restrict sums,
+                          bool first, bool last, O* __restrict c, int64_t ldc, const int* ncols,
+                          const float* __restrict bias, bool stream) {
+  __m512 acc[MR][2];
+  const float* __restrict w1 = w + kc * NR;
+  fma_tile_12x2_from<R, NPT>(
+      kc, [&](int r, int j) { return first ? _mm512_setzero_ps() : _mm512_load_ps(sums + (2 * r + j) * NR); },
+      [&](int64_t k) { _mm_prefetch(reinterpret_cast<const char*>(a + (k + kL1Ahead) * R), _MM_HINT_T0); },
+      [&](int r, int64_t k) { return a[k * R + r]; },
+      [&](int j, int64_t k) { return _mm512_load_ps((j == 0 ? w : w1) + k * NR); },
+      [&](int r, int j, __m512 sum) { acc[r][j] = sum; });
+  if (last) return store_tile<R, NPT, GATED>(acc, c, ldc, ncols, bias, stream);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NPT; ++j) _mm512_store_ps(sums + (2 * r + j) * NR, acc[r][j]);
+}
+
+// rows x NPT panels of 4-bit blocks (q: the first panel's bytes; panel() says what the rest is). One register
+// tile of rows expands the weights in registers (tile() with Q4Panels); more expand them kQ4Chunk k-steps at a
+// time into L1, and every row tile runs over each chunk, its sums carried from chunk to chunk in L1 (the same
+// order of k, so the same bits). Expanding whole panels instead (72-192 KB, in L2) had every tile read them back
+// from L2; expanding in registers for every tile repeated the expansion per tile.
+template <int NPT, bool GATED, typename O>
+void q4_panel(const float* a, const uint8_t* q, int64_t K, O* c, int64_t ldc, const int* ncols, int64_t rows,
+              const float* bias, const uint8_t* next, int64_t next_bytes, bool stream) {
+  if (rows <= MR) return panel<NPT, GATED>(a, Q4Panels{q}, K, c, ldc, ncols, rows, bias, next, next_bytes, stream);
+  static thread_local std::vector<float> buffer;
+  const int64_t tiles = (rows + MR - 1) / MR;
+  const size_t need = NPT * kQ4Chunk * NR + tiles * MR * 2 * NR + 16;
+  if (buffer.size() < need) buffer.resize(need);
+  float* w = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / 4 % 16) % 16;  // 64-byte aligned
+  float* sums = w + NPT * kQ4Chunk * NR;
+  const int64_t bytes = q4_panel_bytes(K);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Chunk) {
+    const int64_t kc = std::min(kQ4Chunk, K - k0);
+    const int64_t pf0 = next_bytes * k0 / K, pf1 = next_bytes * (k0 + kc) / K;  // this chunk's share of the next
+    for (int j = 0; j < NPT; ++j)
+      expand_q4_blocks(q + j * bytes + k0 / kQ4Group * kQ4BlockBytes, kc / kQ4Group, w + j * kc * NR,
+                       j == 0 && next ? next + pf0 : nullptr, pf1 - pf0);
+    const bool first = k0 == 0, last = k0 + kc == K;
+    for (int64_t m = 0; m < rows; m += MR) {
+      const int r = (int)std::min<int64_t>(MR, rows - m);
+      with_rows<MR>(r, [&](auto rr) {
+        constexpr int R = decltype(rr)::value;
+        q4_chunk_tile<R, NPT, GATED>(a + m * K + k0 * R, w, kc, sums + m * 2 * NR, first, last, c + m * ldc, ldc,
+                                     ncols, bias, stream);
+      });
+    }
+  }
+}
+#endif
 
 }  // namespace
 
@@ -375,8 +517,11 @@ static void pack_rows(const T* xs, float* a, int64_t rows, int64_t K, int64_t bl
 }
 
 // x [M, K] (float32 or bfloat16, summed in float32) times the packed weight of the same dtype -> [M, N].
+// q4 (or null): the same weight as exact 4-bit blocks (pack_q4_panels, float32 only); each panel is then expanded
+// from them into float32 just before its tiles run, in place of reading its float32 panel.
 template <bool GATED, typename T>
-static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t M, int64_t K, int64_t N, int64_t P) {
+static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t M, int64_t K, int64_t N, int64_t P,
+                       const uint8_t* q4) {
   constexpr int64_t COLS = GATED ? NR / 2 : NR;  // output columns of one panel
   // x is repacked (as float32) one chunk of MC rows at a time, in MR-row blocks, k-major, just before its
   // panels run: the packed chunk is then still in L2 when the kernel reads it, and a prefill of thousands
@@ -394,10 +539,23 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
     T* cp = c + m0 * N + p * COLS;
     const float* biasp = bias ? bias + p * NR : nullptr;
     const T* nextp = next >= 0 ? b + next * K * NR : nullptr;
+#if defined(NANOINFER_AVX512)
+    if constexpr (std::is_same_v<T, float>) {
+      if (q4) {
+        const int64_t bytes = q4_panel_bytes(K);
+        const uint8_t* q4next = next >= 0 ? q4 + next * bytes : nullptr;
+        if (NP == 2 && n == 2)
+          q4_panel<NP, GATED>(a, q4 + p * bytes, K, cp, N, ncols, rows, biasp, q4next, next_panels * bytes, stream);
+        else
+          q4_panel<1, GATED>(a, q4 + p * bytes, K, cp, N, ncols, rows, biasp, q4next, next_panels * bytes, stream);
+        return;
+      }
+    }
+#endif
     if (NP == 2 && n == 2)
-      panel<NP, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels, stream);
+      panel<NP, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels * K * NR * (int64_t)sizeof(T), stream);
     else
-      panel<1, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels, stream);
+      panel<1, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels * K * NR * (int64_t)sizeof(T), stream);
   };
   if (M >= ROW_SPLIT_CHUNKS * MC * threads) {
     // Many rows (a prefill): each thread claims chunks of rows and runs every panel over its own chunk,
@@ -492,7 +650,8 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
 }
 
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias, int64_t N, bool gated) {
+                            const c10::optional<torch::Tensor>& bias, int64_t N, bool gated,
+                            const c10::optional<torch::Tensor>& compact) {
   TORCH_CHECK(input.scalar_type() == packed.scalar_type(), "packed_linear: input ", input.scalar_type(),
               " but weight ", packed.scalar_type());
   const int64_t cols = gated ? NR / 2 : NR;
@@ -506,14 +665,22 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
   const auto& x = io.x;
   const int64_t M = x.size(0);
   const float* bias_ptr = io.bias_ptr();
+  const uint8_t* q4 = nullptr;
+  if (compact.has_value() && compact->numel() > 0 && M <= kQ4MaxRows) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && compact->scalar_type() == at::kByte && compact->dim() == 3 &&
+                    compact->size(0) == packed.size(0) && compact->size(1) * kQ4Group == K &&
+                    compact->size(2) == kQ4BlockBytes && compact->is_contiguous(),
+                "packed_linear: compact is not pack_q4_panels' form of this float32 weight");
+    q4 = compact->data_ptr<uint8_t>();
+  }
   if (M > 0) {
     with_typed<false>(x, "packed_linear", [&](auto* xp) {
       using T = std::remove_pointer_t<decltype(xp)>;
       const T* b = packed.data_ptr<T>();
       if (gated)
-        run_linear<true>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, packed.size(0));
+        run_linear<true>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, packed.size(0), q4);
       else
-        run_linear<false>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, packed.size(0));
+        run_linear<false>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, packed.size(0), q4);
     });
   }
   return io.out.view(io.sizes);

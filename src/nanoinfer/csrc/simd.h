@@ -186,14 +186,18 @@ static inline void store16(at::BFloat16* p, __m512 rounded) {
 // two products): R (at most 12) rows x W (1 or 2) blocks of 16 columns, float32 sums over k = 0..kdim-1 in
 // order, 12 broadcasts and W loads per 12 W FMAs. Each k-step runs step(k) first (a prefetch, or nothing),
 // multiplies a(r, k) (row r's k-th value) into b(j, k) (block j's 16 values), and out(r, j, sum) takes each
-// sum at the end. Named accumulators, not an array: with an array GCC keeps them on the stack.
-template <int R, int W, typename Step, typename A, typename B, typename Out>
-__attribute__((always_inline)) inline void fma_tile_12x2(int64_t kdim, Step&& step, A&& a, B&& b, Out&& out) {
+// sum at the end. Named accumulators, not an array: with an array GCC keeps them on the stack. The _from form
+// starts each sum at init(r, j) instead of 0 (a sum over k carried on from an earlier call: the same bits).
+template <int R, int W, typename Init, typename Step, typename A, typename B, typename Out>
+__attribute__((always_inline)) inline void fma_tile_12x2_from(int64_t kdim, Init&& init, Step&& step, A&& a, B&& b,
+                                                              Out&& out) {
   static_assert(R >= 1 && R <= 12 && (W == 1 || W == 2), "fma_tile_12x2: at most 12 rows of 2 blocks");
-  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0;
-  __m512 c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0;
-  __m512 c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0;
-  __m512 c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0, c11_1 = c0_0;
+  const __m512 z = _mm512_setzero_ps();
+#define NANOINFER_INIT(r) \
+  __m512 c##r##_0 = R > r ? init(r, 0) : z, c##r##_1 = R > r && W == 2 ? init(r, 1) : z;
+  NANOINFER_INIT(0) NANOINFER_INIT(1) NANOINFER_INIT(2) NANOINFER_INIT(3) NANOINFER_INIT(4) NANOINFER_INIT(5)
+  NANOINFER_INIT(6) NANOINFER_INIT(7) NANOINFER_INIT(8) NANOINFER_INIT(9) NANOINFER_INIT(10) NANOINFER_INIT(11)
+#undef NANOINFER_INIT
   for (int64_t k = 0; k < kdim; ++k) {
     step(k);
     const __m512 w0 = b(0, k);
@@ -212,6 +216,10 @@ __attribute__((always_inline)) inline void fma_tile_12x2(int64_t kdim, Step&& st
                              {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1}};
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) out(r, j, acc[r][j]);
+}
+template <int R, int W, typename Step, typename A, typename B, typename Out>
+__attribute__((always_inline)) inline void fma_tile_12x2(int64_t kdim, Step&& step, A&& a, B&& b, Out&& out) {
+  fma_tile_12x2_from<R, W>(kdim, [](int, int) { return _mm512_setzero_ps(); }, step, a, b, out);
 }
 #endif
 #endif

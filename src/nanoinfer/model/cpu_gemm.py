@@ -42,6 +42,10 @@ class PackedWeight:
     kind: str
     data: torch.Tensor
     out_features: int
+    # kinds "panels" and "gated", float32: the same weight as exact 4-bit blocks (csrc/q4_panels.h), which the
+    # GEMM expands instead of reading `data` where that is faster, with the same bits; None when the weight's
+    # values are not all exactly such block values (a model dequantized from a GGUF Q4_1 file has them)
+    compact: torch.Tensor | None = None
 
     @property
     def gated(self) -> bool:
@@ -103,20 +107,29 @@ def packing_kind(dtype: torch.dtype) -> str | None:
 def pack_weight(weight: torch.Tensor, kind: str) -> PackedWeight:
     weight = weight.detach()
     if kind == "panels":
-        return PackedWeight(kind, cpu_ops().pack_linear_weight(weight), weight.shape[0])
+        return PackedWeight(kind, cpu_ops().pack_linear_weight(weight), weight.shape[0], pack_compact(weight, False))
     if kind == "gated":
-        return PackedWeight(kind, cpu_ops().pack_gated_weight(weight), weight.shape[0] // 2)
+        return PackedWeight(kind, cpu_ops().pack_gated_weight(weight), weight.shape[0] // 2, pack_compact(weight, True))
     if kind in ("amx", "amx_gated"):
         gated = kind == "amx_gated"
         return PackedWeight(kind, cpu_ops().pack_amx_weight(weight, gated), weight.shape[0] // (2 if gated else 1))
     return PackedWeight(kind, torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[0])
 
 
+def pack_compact(weight: torch.Tensor, gated: bool) -> torch.Tensor | None:
+    """The float32 weight's exact 4-bit form for the panel GEMM, or None where it has none (any other dtype, or a
+    value that is not exactly d * q + m of its block: decided at the first such block, so ~free for others)."""
+    if weight.dtype != torch.float32:
+        return None
+    compact = cpu_ops().pack_q4_panels(weight, gated)
+    return compact if compact.numel() else None
+
+
 def gated_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) through a weight packed as kind "gated" or "amx_gated"."""
     if packed.kind == "amx_gated":
         return cpu_ops().amx_linear(x, packed.data, None, packed.out_features, gated=True)
-    return cpu_ops().packed_linear(x, packed.data, None, packed.out_features, gated=True)
+    return cpu_ops().packed_linear(x, packed.data, None, packed.out_features, gated=True, compact=packed.compact)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None):
@@ -124,7 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.kind == "panels":
-        return cpu_ops().packed_linear(x, packed.data, bias, packed.out_features)
+        return cpu_ops().packed_linear(x, packed.data, bias, packed.out_features, compact=packed.compact)
     if packed.kind == "amx":
         return cpu_ops().amx_linear(x, packed.data, bias, packed.out_features)
     if x.dim() != 2:  # the oneDNN op takes [rows, features]
