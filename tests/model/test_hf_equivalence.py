@@ -190,11 +190,12 @@ def _snap_linears_to_q4_1(path) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def test_exact_4bit_weights_give_transformers_tokens_and_the_bits_of_float32_panels(tmp_path, monkeypatch):
+def test_exact_4bit_weights_give_transformers_tokens(tmp_path, monkeypatch):
     """A float32 model whose linears are exactly 4-bit blocks (what a GGUF Q4_1 file dequantizes to; the built-in
-    default model is one) keeps them in that form too, and the GEMM's small steps read it (csrc/q4_panels.h):
-    the tokens of transformers, and the log-probabilities of the float32 panels alone to the bit, in the fused
-    decode loop and the per-layer path."""
+    default model is one) keeps them in that form too: steps of few rows expand them for the panel GEMM (the
+    float32 panels' bits), steps of many rows run on AMX (exact products, float32 sums in another order). The
+    tokens of transformers; the fused decode loop's log-probabilities are the per-layer path's to the bit, and
+    within float32 rounding of the float32 panels alone."""
     from nanoinfer.model.cpu_decode import FusedDecode
     from nanoinfer.testing.tiny_models import build_tiny_model
 
@@ -205,16 +206,19 @@ def test_exact_4bit_weights_give_transformers_tokens_and_the_bits_of_float32_pan
     path = build_tiny_model("llama", tmp_path / "llama", hidden_size=96, num_heads=6, num_kv_heads=2, head_dim=16)
     _snap_linears_to_q4_1(path)
     vocab_size = transformers.AutoConfig.from_pretrained(path).vocab_size
-    # 32 prompts: decode steps of 32 rows, which run the 4-bit form in chunked tiles
+    # 32 prompts: decode steps of 32 rows (the 4-bit form in chunked tiles), then fewer as prompts finish
     prompts = make_prompts(vocab_size, seed=3) + make_prompts(vocab_size, seed=4)
+    lengths = [24 - i % 20 for i in range(len(prompts))]
     expected, _ = hf_greedy(path, prompts, 24)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    expected = [ids[:n] for ids, n in zip(expected, lengths)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in lengths]
     settings = dict(device="cpu", dtype="float32", max_model_len=512, cpu_kvcache_space_gib=0.25)
     llm = LLM(str(path), **settings)
     model = llm.engine.model_runner.model
     projections = [m for m in model.modules()
                    if getattr(m, "packed_weight", None) is not None and m is not model.lm_head]  # fmt: skip
     assert projections and all(m.packed_weight.compact is not None for m in projections)
+    assert all((m.packed_weight.compact_amx is not None) == cpu_ops().amx_available() for m in projections)
     fused = llm.generate(prompts, params)
     assert [out.token_ids for out in fused] == expected
     monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda model, kv_caches: False))
@@ -223,7 +227,10 @@ def test_exact_4bit_weights_give_transformers_tokens_and_the_bits_of_float32_pan
     plain = LLM(str(path), **settings).generate(prompts, params)
     for a, b, c in zip(fused, looped, plain):
         assert a.token_ids == b.token_ids == c.token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs == c.outputs[0].logprobs
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        for step_a, step_c in zip(a.outputs[0].logprobs, c.outputs[0].logprobs):
+            assert step_a.logprob == pytest.approx(step_c.logprob, rel=1e-4, abs=1e-5)
+            assert [t for t, _ in step_a.top] == [t for t, _ in step_c.top]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

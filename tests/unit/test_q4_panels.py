@@ -1,6 +1,7 @@
 """Float32 weights that are exactly 4-bit blocks (d * q + m, float16 d and m per 32 inputs, q in 0..15: what a
-GGUF Q4_1 file dequantizes to) are kept in that form too, and the panel GEMM's small steps read it: the same
-float32 values multiplied in the same order, so the same bits as the float32 panels (csrc/q4_panels.h)."""
+GGUF Q4_1 file dequantizes to) are kept in that form too. The panel GEMM's small steps read it: the same float32
+values multiplied in the same order, so the same bits as the float32 panels (csrc/q4_panels.h). Steps of more
+rows run on AMX: exact products, float32 sums in another order (csrc/q4_amx_gemm.cpp)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def q4_exact_weight(rows: int, cols: int, seed: int = 0, top: int = 15) -> torch
     return (d * q.float() + m).reshape(rows, cols)  # d * q is exact, so this is fma(q, d, m)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 28, 48, 49, 130])  # one register tile, chunked tiles, float32 only
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 28, 48])  # one register tile; chunked tiles (more: AMX, below)
 @pytest.mark.parametrize("out_features, in_features", [(200, 96), (37, 32), (64, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_exact_4bit_weights_give_the_bits_of_float32_panels(rows, out_features, in_features, with_bias):
@@ -83,3 +84,65 @@ def test_a_compact_form_that_does_not_fit_the_weight_is_refused():
     b = pack_weight(q4_exact_weight(32, 96), "panels")
     with pytest.raises(RuntimeError, match="pack_q4_panels"):
         cpu_ops().packed_linear(torch.randn(2, 64), a.data, None, 32, compact=b.compact)
+
+
+needs_amx = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().amx_available(), reason="no AMX on this CPU")
+
+
+def _reference(x, weight, bias=None, gated=False):
+    y = x.double() @ weight.double().T
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    return y if bias is None else y + bias.double()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [49, 64, 100, 256, 300, 1000])  # from kQ4MaxRows + 1; threads split columns, rows
+@pytest.mark.parametrize("out_features, in_features", [(200, 96), (37, 32), (64, 1536)])  # 37: a pair of one panel
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_many_rows_run_on_amx_as_accurately_as_float32_panels(rows, out_features, in_features, with_bias):
+    """x . q on AMX with x in three exact bfloat16 parts: every product exact, the sums float32, so as close to
+    the float64 product as the float32 panels are (here 2-4x closer: blocks of 32 sum apart)."""
+    weight = q4_exact_weight(out_features, in_features, seed=rows + out_features)
+    packed = pack_weight(weight, "panels")
+    assert packed.compact_amx is not None
+    gen = torch.Generator().manual_seed(rows)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    expected = _reference(x, weight, bias)
+    amx_error = (linear(x, weight, bias, packed).double() - expected).abs().max().item()
+    panels_error = (linear(x, weight, bias, packed.__class__("panels", packed.data, out_features)).double()
+                    - expected).abs().max().item()  # fmt: skip
+    assert amx_error <= 2 * panels_error + 1e-6
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [49, 300])
+@pytest.mark.parametrize("intermediate", [48, 13])
+def test_gated_many_rows_run_on_amx_as_accurately_as_float32_panels(rows, intermediate):
+    weight = q4_exact_weight(2 * intermediate, 64, seed=intermediate)
+    packed = pack_weight(weight, "gated")
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    expected = _reference(x, weight, gated=True)
+    amx_error = (gated_linear(x, packed).double() - expected).abs().max().item()
+    panels_error = (gated_linear(x, packed.__class__("gated", packed.data, intermediate)).double()
+                    - expected).abs().max().item()  # fmt: skip
+    assert amx_error <= 2 * panels_error + 1e-6
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [100, 300])  # 2 threads split the columns / the rows; 1 thread the rows
+def test_amx_rows_have_the_same_bits_on_any_thread_count(rows):
+    weight = q4_exact_weight(96, 128, seed=3)
+    packed = pack_weight(weight, "panels")
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, weight, None, packed)
+        torch.set_num_threads(2)
+        two = linear(x, weight, None, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)

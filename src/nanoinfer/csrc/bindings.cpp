@@ -23,8 +23,10 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor pack_gated_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t N, bool gated,
-                            const c10::optional<torch::Tensor>& compact);
+                            const c10::optional<torch::Tensor>& compact,
+                            const c10::optional<torch::Tensor>& compact_amx);
 torch::Tensor pack_q4_panels(const torch::Tensor& weight, bool gated);
+torch::Tensor pack_q4_amx(const torch::Tensor& compact);
 torch::Tensor pack_amx_weight(const torch::Tensor& weight, bool gated);
 torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed,
                          const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
@@ -54,9 +56,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear,
         "x W^T + b with W from pack_linear_weight (float32 or bfloat16, float32 sums); gated: W from "
         "pack_gated_weight, out = silu(x Wg^T) * (x Wu^T); compact: the same weight from pack_q4_panels, read "
-        "instead of the float32 panels (the same bits)",
+        "instead of the float32 panels by steps of few rows (the same bits); compact_amx: from pack_q4_amx, run "
+        "on AMX by steps of more rows (float32 sums in another order)",
         pybind11::arg("input"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out_features"),
-        pybind11::arg("gated") = false, pybind11::arg("compact") = pybind11::none());
+        pybind11::arg("gated") = false, pybind11::arg("compact") = pybind11::none(),
+        pybind11::arg("compact_amx") = pybind11::none());
+  m.def("pack_q4_amx", &pack_q4_amx,
+        "pack_q4_panels' 4-bit panels -> AMX tiles of q in bfloat16 with d and m in float32, for packed_linear's "
+        "compact_amx: steps of many rows then run on AMX (x split into three exact bfloat16 parts)");
   m.def("pack_q4_panels", &pack_q4_panels,
         "[N, K] float32 weight (gated: [2I, K]) -> its panels as exact 4-bit blocks (d * q + m, float16 d and m "
         "per 32 inputs) for packed_linear's compact, or an empty tensor when a value is not exactly one",

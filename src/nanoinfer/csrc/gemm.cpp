@@ -649,9 +649,12 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
   }
 }
 
+bool q4_amx_linear(const float* x, int64_t M, int64_t K, int64_t N, bool gated, const uint8_t* w, int64_t pairs,
+                   const float* bias, float* out);
+
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t N, bool gated,
-                            const c10::optional<torch::Tensor>& compact) {
+                            const c10::optional<torch::Tensor>& compact, const c10::optional<torch::Tensor>& compact_amx) {
   TORCH_CHECK(input.scalar_type() == packed.scalar_type(), "packed_linear: input ", input.scalar_type(),
               " but weight ", packed.scalar_type());
   const int64_t cols = gated ? NR / 2 : NR;
@@ -672,6 +675,15 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
                     compact->size(2) == kQ4BlockBytes && compact->is_contiguous(),
                 "packed_linear: compact is not pack_q4_panels' form of this float32 weight");
     q4 = compact->data_ptr<uint8_t>();
+  }
+  if (M > kQ4MaxRows && compact_amx.has_value() && compact_amx->numel() > 0) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && compact_amx->scalar_type() == at::kByte && compact_amx->dim() == 3 &&
+                    compact_amx->size(0) == (packed.size(0) + 1) / 2 && compact_amx->size(1) * kQ4Group == K &&
+                    compact_amx->is_contiguous(),
+                "packed_linear: compact_amx is not pack_q4_amx's form of this float32 weight");
+    if (q4_amx_linear(x.data_ptr<float>(), M, K, N, gated, compact_amx->data_ptr<uint8_t>(), compact_amx->size(0),
+                      bias_ptr, io.out.data_ptr<float>()))
+      return io.out.view(io.sizes);
   }
   if (M > 0) {
     with_typed<false>(x, "packed_linear", [&](auto* xp) {

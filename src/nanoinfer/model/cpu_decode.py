@@ -48,9 +48,11 @@ class FusedDecode:
                 a.o_proj.packed_weight.data, layer.post_attention_layernorm.weight.detach(),
                 mlp.gate_up_proj.packed_weight.data, mlp.down_proj.packed_weight.data, k_cache, v_cache,
             ]  # fmt: skip
-            for proj in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                compact = proj.packed_weight.compact
-                self.tensors.append(compact if compact is not None else empty)
+            projections = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            for field in ("compact", "compact_amx"):
+                for proj in projections:
+                    form = getattr(proj.packed_weight, field)
+                    self.tensors.append(form if form is not None else empty)
 
     @staticmethod
     def applies(model, kv_caches) -> bool:

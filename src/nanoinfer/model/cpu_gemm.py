@@ -46,6 +46,9 @@ class PackedWeight:
     # GEMM expands instead of reading `data` where that is faster, with the same bits; None when the weight's
     # values are not all exactly such block values (a model dequantized from a GGUF Q4_1 file has them)
     compact: torch.Tensor | None = None
+    # with `compact`, on a CPU with AMX: the same 4-bit weight as AMX tiles (csrc/q4_amx_gemm.cpp), which steps of
+    # many rows run on instead of the float32 panels (float32 sums in another order; exact products)
+    compact_amx: torch.Tensor | None = None
 
     @property
     def gated(self) -> bool:
@@ -106,10 +109,12 @@ def packing_kind(dtype: torch.dtype) -> str | None:
 
 def pack_weight(weight: torch.Tensor, kind: str) -> PackedWeight:
     weight = weight.detach()
-    if kind == "panels":
-        return PackedWeight(kind, cpu_ops().pack_linear_weight(weight), weight.shape[0], pack_compact(weight, False))
-    if kind == "gated":
-        return PackedWeight(kind, cpu_ops().pack_gated_weight(weight), weight.shape[0] // 2, pack_compact(weight, True))
+    if kind in ("panels", "gated"):
+        gated = kind == "gated"
+        data = cpu_ops().pack_gated_weight(weight) if gated else cpu_ops().pack_linear_weight(weight)
+        compact = pack_compact(weight, gated)
+        compact_amx = cpu_ops().pack_q4_amx(compact) if compact is not None and cpu_ops().amx_available() else None
+        return PackedWeight(kind, data, weight.shape[0] // (2 if gated else 1), compact, compact_amx)
     if kind in ("amx", "amx_gated"):
         gated = kind == "amx_gated"
         return PackedWeight(kind, cpu_ops().pack_amx_weight(weight, gated), weight.shape[0] // (2 if gated else 1))
@@ -129,7 +134,8 @@ def gated_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """silu(x Wg^T) * (x Wu^T) through a weight packed as kind "gated" or "amx_gated"."""
     if packed.kind == "amx_gated":
         return cpu_ops().amx_linear(x, packed.data, None, packed.out_features, gated=True)
-    return cpu_ops().packed_linear(x, packed.data, None, packed.out_features, gated=True, compact=packed.compact)
+    return cpu_ops().packed_linear(x, packed.data, None, packed.out_features, gated=True, compact=packed.compact,
+                                   compact_amx=packed.compact_amx)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None):
@@ -137,7 +143,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.kind == "panels":
-        return cpu_ops().packed_linear(x, packed.data, bias, packed.out_features, compact=packed.compact)
+        return cpu_ops().packed_linear(x, packed.data, bias, packed.out_features, compact=packed.compact,
+                                       compact_amx=packed.compact_amx)
     if packed.kind == "amx":
         return cpu_ops().amx_linear(x, packed.data, bias, packed.out_features)
     if x.dim() != 2:  # the oneDNN op takes [rows, features]
