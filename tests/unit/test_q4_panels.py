@@ -9,10 +9,18 @@ import pytest
 import torch
 
 from nanoinfer.cpu_ops import cpu_ops
-from nanoinfer.model.cpu_gemm import gated_linear, linear, pack_weight
+from nanoinfer.model.cpu_gemm import PackedWeight, gated_linear, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None or cpu_ops().simd != "avx512",
                                 reason="the GEMM expands 4-bit weights with AVX-512 only")  # fmt: skip
+needs_amx = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().amx_available(), reason="no AMX on this CPU")
+
+
+def panels_only(weight: torch.Tensor, kind: str = "panels") -> PackedWeight:
+    """The weight packed as float32 panels alone, as a weight that is not exact 4-bit blocks is."""
+    gated = kind == "gated"
+    data = cpu_ops().pack_gated_weight(weight) if gated else cpu_ops().pack_linear_weight(weight)
+    return PackedWeight(kind, data, weight.shape[0] // (2 if gated else 1))
 
 
 def q4_exact_weight(rows: int, cols: int, seed: int = 0, top: int = 15) -> torch.Tensor:
@@ -34,11 +42,11 @@ def test_exact_4bit_weights_give_the_bits_of_float32_panels(rows, out_features, 
     weight = q4_exact_weight(out_features, in_features, seed=rows)
     packed = pack_weight(weight, "panels")
     assert packed.compact is not None and packed.compact.dtype == torch.uint8
-    assert packed.compact.numel() < packed.data.numel() * 4 / 5  # 5 bits a value against 32
+    assert packed.compact.numel() * 6 <= -(-out_features // 16) * 16 * in_features * 4  # 5 bits a value, not 32
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     x = torch.randn(rows, in_features, generator=gen)
-    without = packed.__class__("panels", packed.data, out_features)  # the float32 panels only
+    without = panels_only(weight)
     assert torch.equal(linear(x, weight, bias, packed), linear(x, weight, bias, without))
     torch.testing.assert_close(linear(x, weight, bias, packed), x @ weight.T + (0 if bias is None else bias),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
@@ -51,7 +59,7 @@ def test_exact_4bit_gated_weights_give_the_bits_of_float32_panels(rows, intermed
     packed = pack_weight(weight, "gated")
     assert packed.compact is not None
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
-    without = packed.__class__("gated", packed.data, intermediate)
+    without = panels_only(weight, "gated")
     assert torch.equal(gated_linear(x, packed), gated_linear(x, without))
 
 
@@ -61,7 +69,7 @@ def test_blocks_whose_largest_q_is_not_15_are_found_too(top):
     packed = pack_weight(weight, "panels")
     assert packed.compact is not None
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(top))
-    without = packed.__class__("panels", packed.data, 16)
+    without = panels_only(weight)
     assert torch.equal(linear(x, weight, None, packed), linear(x, weight, None, without))
 
 
@@ -80,13 +88,24 @@ def test_weights_that_are_not_exact_4bit_blocks_keep_float32_panels_only():
 
 
 def test_a_compact_form_that_does_not_fit_the_weight_is_refused():
-    a = pack_weight(q4_exact_weight(32, 64), "panels")
+    a = panels_only(q4_exact_weight(32, 64))
     b = pack_weight(q4_exact_weight(32, 96), "panels")
     with pytest.raises(RuntimeError, match="pack_q4_panels"):
         cpu_ops().packed_linear(torch.randn(2, 64), a.data, None, 32, compact=b.compact)
 
 
-needs_amx = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().amx_available(), reason="no AMX on this CPU")
+@needs_amx
+def test_weights_with_both_4bit_forms_leave_the_float32_panels_out():
+    """No step reads them then: up to 48 rows the 4-bit panels run, above AMX."""
+    weight = q4_exact_weight(40, 64)
+    packed = pack_weight(weight, "panels")
+    assert packed.data.numel() == 0 and packed.compact is not None and packed.compact_amx is not None
+    assert pack_weight(weight, "panels", keep_panels=True).data.shape == (3, 64, 16)
+    for rows in (1, 48, 49, 300):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="not both 4-bit forms"):
+        cpu_ops().packed_linear(torch.randn(2, 64), packed.data, None, 40, compact=packed.compact)
 
 
 def _reference(x, weight, bias=None, gated=False):
@@ -112,8 +131,7 @@ def test_many_rows_run_on_amx_as_accurately_as_float32_panels(rows, out_features
     x = torch.randn(rows, in_features, generator=gen)
     expected = _reference(x, weight, bias)
     amx_error = (linear(x, weight, bias, packed).double() - expected).abs().max().item()
-    panels_error = (linear(x, weight, bias, packed.__class__("panels", packed.data, out_features)).double()
-                    - expected).abs().max().item()  # fmt: skip
+    panels_error = (linear(x, weight, bias, panels_only(weight)).double() - expected).abs().max().item()
     assert amx_error <= 2 * panels_error + 1e-6
 
 
@@ -126,8 +144,7 @@ def test_gated_many_rows_run_on_amx_as_accurately_as_float32_panels(rows, interm
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     expected = _reference(x, weight, gated=True)
     amx_error = (gated_linear(x, packed).double() - expected).abs().max().item()
-    panels_error = (gated_linear(x, packed.__class__("gated", packed.data, intermediate)).double()
-                    - expected).abs().max().item()  # fmt: skip
+    panels_error = (gated_linear(x, panels_only(weight, "gated")).double() - expected).abs().max().item()
     assert amx_error <= 2 * panels_error + 1e-6
 
 

@@ -655,44 +655,53 @@ bool q4_amx_linear(const float* x, int64_t M, int64_t K, int64_t N, bool gated, 
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t N, bool gated,
                             const c10::optional<torch::Tensor>& compact, const c10::optional<torch::Tensor>& compact_amx) {
+  // An empty `packed`: no float32 panels, the weight's two 4-bit forms run every step (pack_weight leaves the
+  // panels out where both exist: no step reads them then).
+  const bool has_panels = packed.numel() > 0;
+  const bool has_compact = compact.has_value() && compact->numel() > 0;
+  const bool both_forms = has_compact && compact_amx.has_value() && compact_amx->numel() > 0;
+  TORCH_CHECK(has_panels || both_forms, "packed_linear: no float32 panels and not both 4-bit forms of the weight");
   TORCH_CHECK(input.scalar_type() == packed.scalar_type(), "packed_linear: input ", input.scalar_type(),
               " but weight ", packed.scalar_type());
   const int64_t cols = gated ? NR / 2 : NR;
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.size(0) == (N + cols - 1) / cols,
-              "packed_linear: weight not packed by ", gated ? "pack_gated_weight" : "pack_linear_weight", " for ", N,
-              " outputs");
+  const int64_t P = has_panels ? packed.size(0) : compact->size(0);
+  TORCH_CHECK(!has_panels || (packed.dim() == 3 && packed.size(2) == NR), "packed_linear: weight not packed by ",
+              gated ? "pack_gated_weight" : "pack_linear_weight");
+  TORCH_CHECK(P == (N + cols - 1) / cols, "packed_linear: weight not packed by ",
+              gated ? "pack_gated_weight" : "pack_linear_weight", " for ", N, " outputs");
   TORCH_CHECK(!gated || !(bias.has_value() && bias->defined()), "packed_linear: no bias with gated");
-  const int64_t K = packed.size(1);
+  const int64_t K = has_panels ? packed.size(1) : compact->size(1) * kQ4Group;
   TORCH_CHECK(input.size(-1) == K, "packed_linear: input has ", input.size(-1), " features, weight ", K);
   const LinearIO io = linear_io(input, K, N, bias, "packed_linear");
   const auto& x = io.x;
   const int64_t M = x.size(0);
   const float* bias_ptr = io.bias_ptr();
   const uint8_t* q4 = nullptr;
-  if (compact.has_value() && compact->numel() > 0 && M <= kQ4MaxRows) {
+  if (has_compact && M <= kQ4MaxRows) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && compact->scalar_type() == at::kByte && compact->dim() == 3 &&
-                    compact->size(0) == packed.size(0) && compact->size(1) * kQ4Group == K &&
+                    compact->size(0) == P && compact->size(1) * kQ4Group == K &&
                     compact->size(2) == kQ4BlockBytes && compact->is_contiguous(),
                 "packed_linear: compact is not pack_q4_panels' form of this float32 weight");
     q4 = compact->data_ptr<uint8_t>();
   }
   if (M > kQ4MaxRows && compact_amx.has_value() && compact_amx->numel() > 0) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && compact_amx->scalar_type() == at::kByte && compact_amx->dim() == 3 &&
-                    compact_amx->size(0) == (packed.size(0) + 1) / 2 && compact_amx->size(1) * kQ4Group == K &&
+                    compact_amx->size(0) == (P + 1) / 2 && compact_amx->size(1) * kQ4Group == K &&
                     compact_amx->is_contiguous(),
                 "packed_linear: compact_amx is not pack_q4_amx's form of this float32 weight");
     if (q4_amx_linear(x.data_ptr<float>(), M, K, N, gated, compact_amx->data_ptr<uint8_t>(), compact_amx->size(0),
                       bias_ptr, io.out.data_ptr<float>()))
       return io.out.view(io.sizes);
   }
+  TORCH_CHECK(has_panels || M <= kQ4MaxRows, "packed_linear: no float32 panels, and AMX is not available");
   if (M > 0) {
     with_typed<false>(x, "packed_linear", [&](auto* xp) {
       using T = std::remove_pointer_t<decltype(xp)>;
       const T* b = packed.data_ptr<T>();
       if (gated)
-        run_linear<true>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, packed.size(0), q4);
+        run_linear<true>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, P, q4);
       else
-        run_linear<false>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, packed.size(0), q4);
+        run_linear<false>(xp, b, bias_ptr, io.out.data_ptr<T>(), M, K, N, P, q4);
     });
   }
   return io.out.view(io.sizes);
