@@ -22,7 +22,9 @@
 // - that next panel is prefetched into L2 a line at a time, spread over all of the current panel's
 //   register tiles. In decode the weights come from DRAM once per step, and without this the first tile
 //   of each panel waited on memory while the others left the bus idle. Measured on W (2 threads, old
-//   and new builds alternated): decode 50.4 / 48.3 s -> 38.7 / 41.8 s, output 135-142 -> 153-162 tok/s.
+//   and new builds alternated): decode 50.4 / 48.3 s -> 38.7 / 41.8 s, output 135-142 -> 153-162 tok/s;
+// - a float32 weight that is exactly 4-bit blocks (csrc/q4_panels.h) is read in that form by steps of up to
+//   kQ4MaxRows rows, expanded into float32 in registers or L1 just before the tiles multiply it (the same bits).
 #include "q4_panels.h"
 
 #include <atomic>
@@ -55,7 +57,8 @@ constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the pane
 // Up to this many rows a call given a weight's exact 4-bit form (pack_q4_panels) runs on it: below, the step is
 // bound by streaming the float32 weights; above, by the FMAs, and expanding costs more than the bytes it saves.
 // 30 layers' four linears, SmolLM2-135M, 2 threads, float32 -> 4-bit: 1 / 12 / 28 / 48 / 64 / 128 rows
-// 16.3 -> 6.4, 20.8 -> 11.5, 28.5 -> 25.3, 38.6 -> 37.8, 47.2 -> 49.3, 84.8 -> 90.0 ms.
+// 16.3 -> 6.4, 20.8 -> 11.5, 28.5 -> 25.3, 38.6 -> 37.8, 47.2 -> 49.3, 84.8 -> 90.0 ms. More rows run on AMX
+// where the weight also has that form (csrc/q4_amx_gemm.cpp), else on the float32 panels.
 constexpr int64_t kQ4MaxRows = 48;
 
 // A share of the next panel's 64-byte lines for one register tile to prefetch, spread over its k-steps.
@@ -105,7 +108,7 @@ inline void accumulate(const float* __restrict a, const W* __restrict b, int64_t
 }
 
 // The same sums with the weights expanded from 4-bit blocks in registers, two k-steps from each 16 bytes: the same
-// float32 values multiplied in the same order (fma(q, d, m), as expand_q4_panels), so the same bits, without
+// float32 values multiplied in the same order (fma(q, d, m), as expand_q4_blocks), so the same bits, without
 // writing the panel out and reading it back (which kept a 1-row step at 7.2 ms against ~2-3 of arithmetic).
 template <int R, int NPT>
 inline void accumulate(const float* __restrict a, Q4Panels b, int64_t K, Prefetch pf, __m512 (&acc)[MR][2]) {
@@ -535,10 +538,8 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
   auto run_panels = [&](int64_t p, int n, int64_t next, int next_panels, const float* a, int64_t m0, int64_t rows) {
     int ncols[NP];
     for (int j = 0; j < n; ++j) ncols[j] = (int)std::min<int64_t>(COLS, N - (p + j) * COLS);
-    const T* bp = b + p * K * NR;
     T* cp = c + m0 * N + p * COLS;
     const float* biasp = bias ? bias + p * NR : nullptr;
-    const T* nextp = next >= 0 ? b + next * K * NR : nullptr;
 #if defined(NANOINFER_AVX512)
     if constexpr (std::is_same_v<T, float>) {
       if (q4) {
@@ -552,6 +553,8 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
       }
     }
 #endif
+    const T* bp = b + p * K * NR;  // (b is null for a weight without float32 panels, which takes the branch above)
+    const T* nextp = next >= 0 ? b + next * K * NR : nullptr;
     if (NP == 2 && n == 2)
       panel<NP, GATED>(a, bp, K, cp, N, ncols, rows, biasp, nextp, next_panels * K * NR * (int64_t)sizeof(T), stream);
     else

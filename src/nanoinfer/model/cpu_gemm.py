@@ -15,6 +15,9 @@ on every call; in decode (a few dozen rows) that costs about as much as the mult
   weights (torch's own `torch.ops.mkldnn` ops, what inductor's CPU freezing pass uses),
   where it runs the dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT);
 - otherwise plain `F.linear`.
+A float32 weight whose values are all exact 4-bit blocks (a GGUF Q4_1 model's; the built-in default is one) also
+gets those forms (`PackedWeight.compact`, `compact_amx`): the panel GEMM reads the 4-bit one for steps of few rows
+(csrc/q4_panels.h, the same bits), AMX CPUs run steps of more rows on the other (csrc/q4_amx_gemm.cpp).
 Float32 results differ from sgemm by summation order only (relative 1e-6); bfloat16 ones are rounded once,
 from the float32 sum.
 """
