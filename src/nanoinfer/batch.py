@@ -7,9 +7,12 @@ Tokenizing and running the requests is `cli/generate.py`'s job.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -18,8 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from nanoinfer.errors import BatchFileError, RequestError
+import numpy as np
+
+from nanoinfer.errors import BatchFileError, OutputWriteError, RequestError
+from nanoinfer.errors import short_repr as _short
 from nanoinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Used when neither the line nor the command gives max_tokens (SamplingParams' own default, 16, is a
 # library default for quick calls; a batch job usually wants whole answers).
@@ -28,6 +36,13 @@ MANIFEST_VERSION = 1
 # Config fields that change what a request produces; a resumed job must keep them. Others (batch sizes,
 # cache size, device) only change speed and may differ between runs.
 RESULT_FIELDS = ("max_model_len", "dtype", "seed")
+# Per-line limits (README "Limits"): a line over MAX_LINE_BYTES is skipped unread with an error record (the
+# default fits any prompt a 1M-token context holds); JSON nesting is bounded so that parsing cannot recurse
+# without bound (an OpenAI chat body with a nested JSON schema needs about 20 levels).
+MAX_LINE_BYTES = 64 << 20
+MAX_JSON_DEPTH = 64
+MAX_ID_CHARS = 1024  # ids are kept in memory for the whole job to catch duplicates
+_READ_CHUNK = 1 << 20
 
 NATIVE, CHAT, COMPLETIONS = "native", "chat", "completions"
 OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
@@ -117,13 +132,48 @@ class LineError:
 
 
 # ---- reading ----------------------------------------------------------------------------------------------
-def iter_lines(stream: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
-    """Lazily yield (line number from 1, raw bytes) for each non-blank line."""
-    for number, raw in enumerate(stream, start=1):
+class LineTooLong:
+    """Stands in for the bytes of a line longer than the limit, which are skipped, never held in memory."""
+
+    def __init__(self, num_bytes: int):
+        self.num_bytes = num_bytes
+
+
+def iter_lines(stream: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
+    """Lazily yield (line number from 1, raw bytes or LineTooLong) for each non-blank line.
+
+    A file object is read with a bounded readline, so one huge line costs at most max_line_bytes of memory.
+    """
+    for number, raw in enumerate(_bounded_lines(stream, max_line_bytes), start=1):
+        if isinstance(raw, LineTooLong):
+            yield number, raw
+            continue
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]  # a UTF-8 byte order mark, as some editors write
         if raw.strip():
             yield number, raw
+
+
+def _bounded_lines(stream, max_line_bytes: int) -> Iterator[bytes | LineTooLong]:
+    readline = getattr(stream, "readline", None)
+    if readline is None:  # a list or generator of lines (tests, the Python API)
+        for raw in stream:
+            yield LineTooLong(len(raw)) if len(raw.rstrip(b"\r\n")) > max_line_bytes else raw
+        return
+    while True:
+        raw = readline(max_line_bytes + 2)  # room for the line's own \r\n
+        if not raw:
+            return
+        if len(raw.rstrip(b"\r\n")) <= max_line_bytes:
+            yield raw
+            continue
+        num_bytes = len(raw)
+        while not raw.endswith(b"\n"):  # skip the rest of the line a chunk at a time
+            raw = readline(_READ_CHUNK)
+            if not raw:
+                break
+            num_bytes += len(raw)
+        yield LineTooLong(num_bytes)
 
 
 class BatchReader:
@@ -132,40 +182,50 @@ class BatchReader:
     Ids are claimed in line order for every line, also for those skipped because a previous run already
     answered them, so a resumed job makes the same duplicate-id decisions as an uninterrupted one. The set
     of claimed ids is the only state that grows with the input (about 100 bytes per line).
+
+    This is the per-line boundary of a job: nothing a line holds raises out of it. A problem nanoinfer
+    knows gets its own code; anything else becomes `internal_error`, logged with its traceback at debug.
     """
 
-    def __init__(self, stream: Iterable[bytes], defaults: dict, done_lines: set[int] = frozenset()):
+    def __init__(self, stream: Iterable[bytes], defaults: dict, done_lines: set[int] = frozenset(),
+                 max_line_bytes: int = MAX_LINE_BYTES):
         self.stream = stream
         self.defaults = defaults
         self.done_lines = done_lines
+        self.max_line_bytes = max_line_bytes
         self.num_skipped = 0
         self._ids: set[str] = set()
         self._last_kind = NATIVE  # an unreadable line is answered in the format of the lines before it
 
     def __iter__(self) -> Iterator[BatchRequest | LineError]:
-        for number, raw in iter_lines(self.stream):
+        for number, raw in iter_lines(self.stream, self.max_line_bytes):
             item = self._parse(number, raw)
             if number in self.done_lines:
                 self.num_skipped += 1
                 continue
             yield item
 
-    def _parse(self, number: int, raw: bytes) -> BatchRequest | LineError:
+    def _parse(self, number: int, raw: bytes | LineTooLong) -> BatchRequest | LineError:
         requested_id, kind = None, self._last_kind
         try:
+            if isinstance(raw, LineTooLong):
+                raise BadLine(
+                    "line_too_long",
+                    f"is {raw.num_bytes:,} bytes long, over the limit of {self.max_line_bytes:,}; it was "
+                    "skipped unread. Shorten it, or raise --max-line-bytes.",
+                )
             obj = decode_line(raw)
             kind = self._last_kind = CHAT if is_openai_line(obj) else NATIVE  # refined below
             requested_id = request_id_of(obj, kind)
+            if _SURROGATE_ESCAPE.search(raw):  # only an escape makes a lone surrogate: strict UTF-8 refuses them
+                check_unicode(obj)
             kind = self._last_kind = line_kind(obj)
             request = parse_request(number, obj, kind, self.defaults)
         except BadLine as e:
-            return LineError(
-                number,
-                self._claim_or_none(number, requested_id, kind),
-                kind,
-                e.code,
-                f"line {number}: {e.message}",
-            )
+            return self._error(number, requested_id, kind, e.code, e.message)
+        except Exception as e:  # the per-line boundary: a bug here must not end the job
+            logger.debug("line %d: unexpected error while parsing", number, exc_info=True)
+            return self._error(number, requested_id, kind, "internal_error", internal_error_message(e))
         if request.id in self._ids:
             what = "custom_id" if request.is_openai else "id"
             return LineError(
@@ -179,6 +239,10 @@ class BatchReader:
         self._ids.add(request.id)
         return request
 
+    def _error(self, number: int, requested_id: str | None, kind: str, code: str, message: str) -> LineError:
+        return LineError(number, self._claim_or_none(number, requested_id, kind), kind, code,
+                         f"line {number}: {message}")
+
     def _claim_or_none(self, number: int, requested_id: str | None, kind: str) -> str | None:
         # The error record carries the line's id when it is readable and still free; an OpenAI line without
         # a custom_id has none, a native one gets the id derived from its line number.
@@ -191,6 +255,32 @@ class BatchReader:
         return candidate
 
 
+def internal_error_message(e: BaseException) -> str:
+    text = str(e)
+    text = text if len(text) <= 500 else text[:497] + "..."
+    return (f"nanoinfer failed on this line ({type(e).__name__}: {text}). This is a bug in nanoinfer; the job "
+            "went on without the line. Please report it with the line (run with --log-level debug for the "
+            "traceback).")
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included (linear time)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_DEPTH_STEP = np.zeros(256, dtype=np.int8)
+_DEPTH_STEP[list(b"[{")] = 1
+_DEPTH_STEP[list(b"]}")] = -1
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply the arrays and objects of a JSON text nest (brackets inside strings do not count)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot nest deeper than the limit: skip the scan
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    return int(np.cumsum(_DEPTH_STEP[np.frombuffer(brackets, dtype=np.uint8)], dtype=np.int64).max())
+
+
 def decode_line(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
@@ -199,10 +289,22 @@ def decode_line(raw: bytes) -> dict:
             "invalid_utf8",
             f"is not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r}). Save the file as UTF-8.",
         ) from None
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise BadLine(
+            "nesting_too_deep",
+            f"nests arrays and objects {depth} levels deep; the limit is {MAX_JSON_DEPTH}. Flatten the data.",
+        )
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise BadLine("invalid_json", f"is not valid JSON ({e.msg} at column {e.colno}).") from None
+    except _NotJson as e:
+        raise BadLine("invalid_json", f"is not valid JSON: {e}") from None
+    except ValueError:  # Python reads integers of at most 4,300 digits
+        raise BadLine("invalid_json", "holds an integer of more than 4,300 digits; no field takes one.") from None
+    except RecursionError:  # a safety net: json_depth bounds nesting far below the recursion limit
+        raise BadLine("nesting_too_deep", f"nests arrays and objects too deeply (limit {MAX_JSON_DEPTH}).") from None
     if not isinstance(obj, dict):
         raise BadLine(
             "not_an_object",
@@ -210,6 +312,41 @@ def decode_line(raw: bytes) -> dict:
             'line, e.g. {"prompt": "Hello"}.',
         )
     return obj
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _refuse_constant(name: str):
+    raise _NotJson(f"{name} is not a JSON number (RFC 8259); write a finite number or a string.")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _NotJson(f"the number {text[:40]} is too large for a float; write a smaller number.")
+    return value
+
+
+def check_unicode(value, path: str = "") -> None:
+    """Refuse a string holding a lone surrogate (valid JSON escapes, not valid Unicode), naming where."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadLine(
+                "invalid_unicode",
+                f"field {path[:120]} holds a lone surrogate {value[e.start]!r} at character {e.start} (an unpaired "
+                "\\uD800-\\uDFFF escape, which is not a character). Pair it or remove it.",
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, f"{path}.<key>" if path else "<key>")
+            check_unicode(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}[{i}]")
 
 
 def is_openai_line(obj: dict) -> bool:
@@ -221,7 +358,7 @@ def line_kind(obj: dict) -> str:
         return NATIVE
     url = obj.get("url")
     if url not in OPENAI_URLS:
-        raise BadLine("unsupported_url", f"url {url!r} is not supported; use one of {sorted(OPENAI_URLS)}.")
+        raise BadLine("unsupported_url", f"url {_short(url)} is not supported; use one of {sorted(OPENAI_URLS)}.")
     return OPENAI_URLS[url]
 
 
@@ -231,7 +368,13 @@ def request_id_of(obj: dict, kind: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
-        raise BadLine("invalid_id", f"{key} must be a non-empty string or an integer, got {value!r}.")
+        raise BadLine("invalid_id", f"{key} must be a non-empty string or an integer, got {_short(value)}.")
+    if isinstance(value, str):
+        check_unicode(value, key)
+        if len(value) > MAX_ID_CHARS:
+            raise BadLine("invalid_id", f"{key} is {len(value):,} characters long; the limit is {MAX_ID_CHARS}.")
+    elif value.bit_length() > 63:
+        raise BadLine("invalid_id", f"{key} {_short(value)} is outside the 64-bit range; write it as a string.")
     return str(value)
 
 
@@ -270,7 +413,7 @@ def _parse_openai(number: int, obj: dict, kind: str, defaults: dict) -> BatchReq
     if custom_id is None:
         raise BadLine("missing_custom_id", "has no custom_id; the OpenAI batch format needs one per line.")
     if obj.get("method", "POST") != "POST":
-        raise BadLine("unsupported_method", f"method {obj['method']!r} is not supported; use POST.")
+        raise BadLine("unsupported_method", f"method {_short(obj['method'])} is not supported; use POST.")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise BadLine("invalid_body", f"body must be a JSON object, got {_json_type(body)}.")
@@ -340,12 +483,13 @@ def _refuse_unknown(obj: dict, allowed: tuple[str, ...], where: str) -> None:
     if not unknown:
         return
     parts = []
-    for key in unknown:
+    for key in unknown[:5]:  # a line with 100,000 unknown keys gets a message of five
         match = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-        parts.append(f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else ""))
+        parts.append(_short(key, 60) + (f" (did you mean {match[0]!r}?)" if match else ""))
+    more = f" and {len(unknown) - 5:,} more" if len(unknown) > 5 else ""
     raise BadLine(
         "unknown_field",
-        f"has unknown field(s) {', '.join(parts)} in the {where}. Valid fields: {', '.join(allowed)}.",
+        f"has unknown field(s) {', '.join(parts)}{more} in the {where}. Valid fields: {', '.join(allowed)}.",
     )
 
 
@@ -541,6 +685,9 @@ class RecordWriter:
 
     A record is in the kernel as soon as write() returns (no user-space buffer), so kill -9 loses nothing
     written; fsync covers power loss. On stdout there is nothing to fsync: each record is flushed.
+
+    A failed write or fsync (disk full, I/O error, closed stdout) raises OutputWriteError once the file is
+    cut back to its last whole record, so the output holds nothing torn; every later call is refused.
     """
 
     def __init__(self, path: Path | None, sync_seconds: float = 1.0, stdout: BinaryIO | None = None):
@@ -549,19 +696,27 @@ class RecordWriter:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path is not None else None
         self.sync_seconds = sync_seconds
         self.num_written = 0
+        self.failure: OutputWriteError | None = None
+        self._size = os.fstat(self.fd).st_size if self.fd is not None else 0  # bytes of whole records
         self._dirty = False
         self._last_sync = time.monotonic()
 
     def write(self, record: dict) -> None:
+        if self.failure is not None:
+            raise self.failure
         data = encode_record(record)
-        if self.fd is None:
-            self.stdout.write(data)
-            self.stdout.flush()
-        else:
-            view = memoryview(data)
-            while view:  # a regular file takes it in one go; loop only if the disk is short of space
-                view = view[os.write(self.fd, view) :]
-            self._dirty = True
+        try:
+            if self.fd is None:
+                self.stdout.write(data)
+                self.stdout.flush()
+            else:
+                view = memoryview(data)
+                while view:  # a regular file takes it in one go; loop only if the disk is short of space
+                    view = view[os.write(self.fd, view) :]
+                self._size += len(data)
+                self._dirty = True
+        except OSError as e:
+            raise self._fail(e, "writing a record to") from None
         self.num_written += 1
         self.sync_if_due()
 
@@ -570,16 +725,39 @@ class RecordWriter:
             self.sync()
 
     def sync(self) -> None:
+        if self.failure is not None:
+            raise self.failure
         if self.fd is not None and self._dirty:
-            os.fsync(self.fd)
+            try:
+                os.fsync(self.fd)
+            except OSError as e:
+                raise self._fail(e, "flushing records to") from None
         self._dirty = False
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
-        self.sync()
+        try:
+            if self.failure is None:
+                self.sync()
+        finally:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+    def _fail(self, e: OSError, doing: str) -> OutputWriteError:
+        where = "stdout" if self.path is None else str(self.path)
         if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+            with contextlib.suppress(OSError):  # cutting a file needs no free space
+                os.ftruncate(self.fd, self._size)
+                os.fsync(self.fd)
+        closed = isinstance(e, BrokenPipeError) or e.errno == errno.EPIPE
+        self.failure = OutputWriteError(
+            f"{doing} {where} failed: {e.strerror or e} (errno {e.errno}). {self.num_written} records of "
+            "this run were written before it, each whole.",
+            errno=e.errno,
+            closed_pipe=closed and self.path is None,
+        )
+        return self.failure
 
 
 # ---- resume -----------------------------------------------------------------------------------------------
@@ -627,15 +805,21 @@ def _loads_or_none(raw: bytes) -> dict | None:
 
 
 def scan_input(path: Path) -> tuple[str, int]:
-    """(sha256 of the file, number of non-blank lines), reading it once in chunks of lines."""
+    """(sha256 of the file, number of non-blank lines), reading it once in fixed-size chunks (a line of any
+    length costs no more memory than a chunk)."""
     digest = hashlib.sha256()
-    num_lines = 0
+    num_lines, open_line_has_text, first = 0, False, True
     with open(path, "rb") as f:
-        for raw in f:
-            digest.update(raw)
-            if raw.strip():
-                num_lines += 1
-    return digest.hexdigest(), num_lines
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+            text = chunk[3:] if first and chunk.startswith(b"\xef\xbb\xbf") else chunk  # as iter_lines
+            first = False
+            *whole, rest = text.split(b"\n")
+            for part in whole:
+                num_lines += open_line_has_text or bool(part.strip())
+                open_line_has_text = False
+            open_line_has_text = open_line_has_text or bool(rest.strip())
+    return digest.hexdigest(), num_lines + open_line_has_text
 
 
 def model_fingerprint(model_dir: str) -> str:

@@ -5,6 +5,14 @@ nanoinfer and keeps its traceback.
 """
 
 
+def short_repr(value, limit: int = 80) -> str:
+    """repr() cut to `limit` characters: an error message must not echo a megabyte of input back."""
+    if isinstance(value, int) and value.bit_length() > 200:  # repr() of a 5,000-digit int raises ValueError
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class NanoInferError(Exception):
     """A problem the user can fix (bad config, missing model, bad request)."""
 
@@ -53,3 +61,11 @@ class BatchFileError(NanoInferError):
 
 class OutOfMemoryError(NanoInferError):
     """The KV cache cannot be sized to hold what the config asks for."""
+
+
+class OutputWriteError(NanoInferError):
+    """The output cannot take more records (disk full, I/O error, closed stdout); `errno` says which."""
+
+    def __init__(self, message: str, errno: int | None = None, closed_pipe: bool = False):
+        super().__init__(message)
+        self.errno, self.closed_pipe = errno, closed_pipe

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from nanoinfer.errors import RequestError
+from nanoinfer.errors import short_repr as _show
+
+# Bounds that keep one request from monopolizing a job (README "Limits"). MAX_N is OpenAI's bound on n.
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI's seed
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would overflow them.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -12,18 +24,18 @@ class SamplingParams:
     """How to sample one request.
 
     Args:
-        n: sequences generated for the prompt (they share its cached KV blocks).
-        temperature: 0 means greedy; otherwise logits are divided by it.
+        n: sequences generated for the prompt (they share its cached KV blocks), 1 to MAX_N.
+        temperature: 0 (or below GREEDY_TEMPERATURE) means greedy; otherwise logits are divided by it.
         top_p, top_k, min_p: nucleus / top-k (-1 or 0 = off) / min-probability filtering.
         repetition_penalty: HF-style (>1 discourages tokens already in prompt or output).
         presence_penalty, frequency_penalty: OpenAI-style, over generated tokens.
-        seed: per-request seed; the same seed and prompt give the same output whatever else is batched.
+        seed: per-request int64 seed; the same seed and prompt give the same output whatever else is batched.
         max_tokens: most tokens to generate (None: up to max_model_len).
         min_tokens: stop conditions are ignored until this many tokens exist.
-        stop: strings that end generation (not included in the text).
-        stop_token_ids: token ids that end generation (besides EOS).
+        stop: up to MAX_STOP_STRINGS strings that end generation (not included in the text).
+        stop_token_ids: up to MAX_STOP_TOKEN_IDS token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS.
-        logprobs: None, or how many top alternatives to return with each sampled token's logprob.
+        logprobs: None, or how many top alternatives (0 to MAX_LOGPROBS) to return with each token's logprob.
         skip_special_tokens: drop special tokens from the returned text.
     """
 
@@ -59,46 +71,53 @@ class SamplingParams:
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
 
-        def is_num(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        def is_num(x):  # NaN and infinities are no setting: every comparison with NaN is False
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
-        if not is_int(self.n) or self.n < 1:
-            p.append(f"n must be an integer >= 1, got {self.n!r}")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            p.append(f"n must be an integer in [1, {MAX_N}], got {_show(self.n)}")
         if not is_num(self.temperature) or self.temperature < 0:
-            p.append(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+            p.append(f"temperature must be a finite number >= 0 (0 = greedy), got {_show(self.temperature)}")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            p.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+            p.append(f"top_p must be in (0, 1], got {_show(self.top_p)}")
         if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            p.append(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+            p.append(f"top_k must be -1 (off), 0 (off) or a positive integer, got {_show(self.top_k)}")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
-            p.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+            p.append(f"min_p must be in [0, 1], got {_show(self.min_p)}")
         if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            p.append(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            p.append(f"repetition_penalty must be a finite number > 0, got {_show(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_num(v) or not -2 <= v <= 2:
-                p.append(f"{name} must be in [-2, 2], got {v!r}")
-        if self.seed is not None and not is_int(self.seed):
-            p.append(f"seed must be an integer, got {self.seed!r}")
+                p.append(f"{name} must be in [-2, 2], got {_show(v)}")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            p.append(f"seed must be a 64-bit signed integer, got {_show(self.seed)}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            p.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            p.append(f"max_tokens must be an integer >= 1, got {_show(self.max_tokens)}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
-            p.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            p.append(f"min_tokens must be an integer >= 0, got {_show(self.min_tokens)}")
         elif self.max_tokens is not None and is_int(self.max_tokens) and self.min_tokens > self.max_tokens:
             p.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if not all(isinstance(s, str) and s for s in self.stop):
-            p.append(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            p.append(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            p.append(f"stop must be a non-empty string or a list of them, got {_show(self.stop)}")
+        elif len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            p.append(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
+                     f"characters each, got {len(self.stop)} (longest {max(map(len, self.stop))})")
+        if not all(is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids):
+            p.append(f"stop_token_ids must be non-negative token ids, got {_show(self.stop_token_ids)}")
+        elif len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            p.append(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if not isinstance(self.ignore_eos, bool):
-            p.append(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            p.append(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            p.append(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            p.append(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        if not isinstance(self.skip_special_tokens, bool):
+            p.append(f"skip_special_tokens must be true or false, got {_show(self.skip_special_tokens)}")
         return p
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -112,3 +131,4 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -44,10 +45,15 @@ from nanoinfer.cli.check_config import (
     TensorParallelSizeFlag,
     TrustRemoteCodeFlag,
 )
-from nanoinfer.errors import BatchFileError, NanoInferError, RequestError
+from nanoinfer.errors import BatchFileError, NanoInferError, OutputWriteError, RequestError
 from nanoinfer.progress import JobProgress
 
+logger = logging.getLogger("nanoinfer")
+
 MAX_IN_FLIGHT_CAP = 4096  # the default is 4 x max_num_seqs, at most this
+EXIT_OUTPUT_FAILED = 74  # sysexits' EX_IOERR: the output could not take more records (disk full, EIO)
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, what a Unix tool killed by a closed pipe exits with
+_LOG_LEVELS = ("debug", "info", "warning", "error")
 _SAMPLING = "Sampling defaults (a line's own fields win)"
 
 
@@ -66,6 +72,7 @@ class Job:
     resume: bool
     overwrite: bool
     max_in_flight: int
+    max_line_bytes: int = batch.MAX_LINE_BYTES
     total: int | None = None
     manifest: dict | None = None
 
@@ -192,6 +199,14 @@ def generate(
             help=f"Most requests in the engine at once (default 4 x max_num_seqs, at most {MAX_IN_FLIGHT_CAP}).",
         ),
     ] = None,
+    max_line_bytes: Annotated[
+        int,
+        typer.Option("--max-line-bytes", help="Longer input lines get an error record, unread."),
+    ] = batch.MAX_LINE_BYTES,
+    log_level: Annotated[
+        str | None,
+        typer.Option("--log-level", help=f"Log to stderr at this level: {', '.join(_LOG_LEVELS)}."),
+    ] = None,
 ):
     """Generate a completion for every line of a JSONL file, writing one JSONL record per line.
 
@@ -207,7 +222,8 @@ def generate(
 
     Interrupted (Ctrl-C, kill -9, power loss)? Run the same command with --resume: finished records are
     kept, a torn last line is cut, the rest is generated. Exit codes: 0 done (even if some lines had
-    errors), 2 bad files or config (before any model loads), 130/143 interrupted by SIGINT/SIGTERM.
+    errors), 2 bad files or config (before any model loads), 74 the output could not be written (disk
+    full, I/O error: free space and --resume), 141 stdout was closed (e.g. | head), 130/143 interrupted.
     """
     overrides = {
         "model": model,
@@ -251,7 +267,11 @@ def generate(
     stopper.install()
     try:
         with user_errors():
+            _configure_logging(log_level)
             job = prepare_job(input, output, config, overrides, flags, resume, overwrite, max_in_flight)
+            if max_line_bytes < 1:
+                raise BatchFileError(f"--max-line-bytes must be >= 1, got {max_line_bytes}.")
+            job.max_line_bytes = max_line_bytes
             llm = load_llm(job.config)
         try:
             code = run_job(job, llm, stopper, quiet=quiet, json_output=json_output)
@@ -268,6 +288,17 @@ def generate(
         stopper.restore()
     if code:
         raise typer.Exit(code=code)
+
+
+def _configure_logging(level: str | None) -> None:
+    if level is None:
+        return
+    if level.lower() not in _LOG_LEVELS:
+        raise BatchFileError(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {level!r}.")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 # ---- before the model loads ---------------------------------------------------------------------------------
@@ -383,24 +414,33 @@ def load_llm(config):
 def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: bool = False) -> int:
     """Start (or resume) the output, stream the input through `llm`; returns the exit code."""
     stopper.started = True
-    done_lines = _start_output(job)
+    where = "stdout" if job.output_path is None else str(job.output_path)
+    done_lines: set[int] = set()
+    writer = None
+    try:
+        done_lines = _start_output(job)
+        writer = batch.RecordWriter(
+            job.output_path, stdout=sys.stdout.buffer if job.output_path is None else None
+        )
+    except OSError as e:
+        return _output_failed(job, OutputWriteError(
+            f"starting {where} failed: {e.strerror or e} (errno {e.errno}).", errno=e.errno), len(done_lines))
     plain = quiet or not sys.stderr.isatty()
     progress = JobProgress(job.total, num_skipped=len(done_lines), plain=plain)
-    where = "stdout" if job.output_path is None else str(job.output_path)
     if not quiet:
         lines = f"{job.total} lines" if job.total is not None else "stdin"
         _note(f"nanoinfer generate: {lines} -> {where} with {job.config.model}")
-    writer = batch.RecordWriter(
-        job.output_path, stdout=sys.stdout.buffer if job.output_path is None else None
-    )
-    with contextlib.ExitStack() as stack:
-        stack.callback(writer.close)  # fsync at exit, also when the loop raises
-        stream = (
-            sys.stdin.buffer if job.input_path is None else stack.enter_context(open(job.input_path, "rb"))
-        )
-        reader = batch.BatchReader(stream, job.sampling_defaults, done_lines)
-        with progress:
-            stream_requests(llm, reader, writer, progress, job.max_in_flight, stopper)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(writer.close)  # fsync at exit, also when the loop raises
+            stream = (
+                sys.stdin.buffer if job.input_path is None else stack.enter_context(open(job.input_path, "rb"))
+            )
+            reader = batch.BatchReader(stream, job.sampling_defaults, done_lines, job.max_line_bytes)
+            with progress:
+                stream_requests(llm, reader, writer, progress, job.max_in_flight, stopper)
+    except OutputWriteError as e:
+        return _output_failed(job, e, len(done_lines) + writer.num_written)
     if stopper.stopping:
         name = signal.Signals(stopper.signum).name
         total = f" of {job.total}" if job.total is not None else ""
@@ -414,8 +454,35 @@ def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: b
     _note(f"done: {progress.summary_text()}; wrote {where}")
     if json_output:
         summary = {**progress.summary(), "output": where, "model": job.config.model}
-        print(json.dumps(summary), file=sys.stdout if job.output_path is not None else sys.stderr, flush=True)
+        with contextlib.suppress(BrokenPipeError):
+            print(json.dumps(summary), file=sys.stdout if job.output_path is not None else sys.stderr, flush=True)
     return 0
+
+
+def _output_failed(job: Job, failure: OutputWriteError, num_records: int) -> int:
+    """Report a failed output once, clearly; a closed stdout ends quietly, as Unix tools do."""
+    if job.output_path is None:
+        _silence_stdout()  # what Python still holds for stdout must not fail again at exit
+        if failure.closed_pipe:
+            return EXIT_CLOSED_PIPE
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(failure))} Output went to stdout, so it "
+                          "cannot be resumed; rerun with -o FILE.", highlight=False)
+        return EXIT_OUTPUT_FAILED
+    total = f" of {job.total}" if job.total is not None else ""
+    err_console.print(
+        f"[bold red]error:[/bold red] {escape(str(failure))}\n{num_records}{total} records are safely in "
+        f"{escape(str(job.output_path))}, none of them torn, and its resume manifest is intact. Free space "
+        "(or fix the device) and run the same command with --resume to finish the job.",
+        highlight=False,
+    )
+    return EXIT_OUTPUT_FAILED
+
+
+def _silence_stdout() -> None:
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _start_output(job: Job) -> set[int]:
@@ -481,12 +548,12 @@ def stream_requests(
                 )
                 _write(writer, progress, batch.error_record(error), None, True)
             else:
-                _write(writer, progress, batch.result_record(request, output, decode), output.usage, False)
+                _write_result(writer, progress, request, output, decode)
         writer.sync_if_due()
 
 
 def _admit(llm, request: batch.BatchRequest) -> batch.LineError | None:
-    """Tokenize and queue one request, or say why it cannot be served."""
+    """Tokenize and queue one request, or say why it cannot be served (never raises: a line's boundary)."""
     code = "request_failed"
     try:
         if request.prompt_token_ids is not None:
@@ -508,7 +575,23 @@ def _admit(llm, request: batch.BatchRequest) -> batch.LineError | None:
         llm.add_request(token_ids, request.params, request_id=str(request.line))
     except RequestError as e:
         return batch.LineError(request.line, request.id, request.kind, code, f"line {request.line}: {e}")
+    except Exception as e:  # the per-line boundary: a bug here must not end the job
+        logger.debug("line %d: unexpected error while admitting", request.line, exc_info=True)
+        return batch.LineError(request.line, request.id, request.kind, "internal_error",
+                               f"line {request.line}: {batch.internal_error_message(e)}")
     return None
+
+
+def _write_result(writer, progress, request: batch.BatchRequest, output, decode) -> None:
+    try:
+        record = batch.result_record(request, output, decode)
+    except Exception as e:  # a record that cannot be built is that line's error, not the job's
+        logger.debug("line %d: unexpected error while building its record", request.line, exc_info=True)
+        error = batch.LineError(request.line, request.id, request.kind, "internal_error",
+                                f"line {request.line}: {batch.internal_error_message(e)}")
+        _write(writer, progress, batch.error_record(error), None, True)
+        return
+    _write(writer, progress, record, output.usage, False)
 
 
 def _write(writer, progress, record: dict, usage: dict | None, is_error: bool) -> None:

@@ -53,7 +53,8 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.ngram_index = None
         seed = request.sampling_params.seed
-        self.sampling_seed = None if seed is None else seed + index
+        # modulo 2**64: torch's seed range; an int64 seed plus an index must not overflow it
+        self.sampling_seed = None if seed is None else (seed + index) % 2**64
         # Made by the sampler on the logits' device at the first draw: a CPU generator cannot drive a CUDA
         # multinomial, and copying each seeded row to the CPU would sync once per sequence per step.
         self.generator: torch.Generator | None = None

@@ -36,7 +36,7 @@ class Sampler:
             for i in penalised:
                 logits[i] = _apply_penalties(logits[i], seqs[i])
         token_ids = _argmax(logits)
-        random_rows = [i for i, p in enumerate(params) if p.temperature != 0 and p.top_k != 1]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             token_ids[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
         result = token_ids.tolist()
@@ -52,7 +52,7 @@ class Sampler:
         top_ks = [s.params.top_k for s in seqs]
         if any(k > 0 for k in top_ks):
             vocab = logits.shape[-1]
-            k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device).clamp(max=vocab)
+            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=device)
             kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
