@@ -752,8 +752,7 @@ class RecordWriter:
                 os.fsync(self.fd)
         closed = isinstance(e, BrokenPipeError) or e.errno == errno.EPIPE
         self.failure = OutputWriteError(
-            f"{doing} {where} failed: {e.strerror or e} (errno {e.errno}). {self.num_written} records of "
-            "this run were written before it, each whole.",
+            f"{doing} {where} failed: {e.strerror or e} (errno {e.errno}).",
             errno=e.errno,
             closed_pipe=closed and self.path is None,
         )

@@ -4,6 +4,7 @@ still get results; the OpenAI batch format round-trips; stdin/stdout mode; bound
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections import deque
 
@@ -71,6 +72,31 @@ BAD_LINES = {
     ),
     "unknown_field": (b'{"prompt": "hi", "max_token": 3}', "unknown_field", "did you mean 'max_tokens'?"),
     "duplicate_id": (b'{"id": "good-1", "prompt": "again"}', "duplicate_id", "'good-1' was already used"),
+    # Valid JSON that is not valid Unicode: tokenizers raise TypeError on it, which once ended the job.
+    "lone_surrogate": (b'{"id": "s", "prompt": "ok \\ud800 lone"}', "invalid_unicode", "prompt holds a lone "
+                       "surrogate '\\ud800' at character 3"),
+    "lone_surrogate_in_a_message": (
+        b'{"messages": [{"role": "user", "content": "x\\udfff"}]}',
+        "invalid_unicode",
+        "messages[0].content holds a lone surrogate",
+    ),
+    "lone_surrogate_in_a_key": (b'{"prompt": "hi", "\\udc00": 1}', "invalid_unicode", "<key> holds"),
+    # json.loads recursed until RecursionError, a traceback.
+    "deep_nesting": (b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nesting_too_deep",
+                     "100001 levels deep; the limit is 64"),
+    "nan": (b'{"prompt": "hi", "temperature": NaN}', "invalid_json", "NaN is not a JSON number"),
+    "infinite_float": (b'{"prompt": "hi", "top_p": 1e400}', "invalid_json", "too large for a float"),
+    "integer_of_5000_digits": (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "invalid_json",
+                               "more than 4,300 digits"),
+    "n_over_openai_bound": (b'{"prompt": "hi", "n": 100000}', "invalid_sampling_params", "n must be an integer "
+                            "in [1, 128], got 100000"),
+    "seed_outside_int64": (b'{"prompt": "hi", "seed": 99999999999999999999}', "invalid_sampling_params",
+                           "seed must be a 64-bit signed integer"),
+    "too_many_stop_strings": (json.dumps({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}).encode(),
+                              "invalid_sampling_params", "stop takes at most 16 strings"),
+    "id_too_long": (json.dumps({"id": "x" * 1025, "prompt": "hi"}).encode(), "invalid_id", "the limit is 1024"),
+    "many_unknown_fields": (json.dumps({"prompt": "hi", **{f"k{i}": i for i in range(10_000)}}).encode(),
+                            "unknown_field", "and 9,995 more"),
 }
 
 
@@ -91,6 +117,36 @@ def test_bad_line_gets_error_record_and_other_lines_get_results(tmp_path, tiny_m
         assert by_line[line]["error"] is None
         assert by_line[line]["usage"]["completion_tokens"] >= 1
     assert "Traceback" not in result.output
+
+
+def test_a_line_over_the_byte_limit_is_skipped_unread(tmp_path, tiny_model):
+    huge = json.dumps({"prompt": "word " * 2000}).encode()
+    result, records = run_generate(tmp_path, tiny_model, [GOOD_1, huge, GOOD_2], "--max-line-bytes", "4096")
+    assert result.exit_code == 0, result.output
+    by_line = {r["line"]: r for r in records}
+    assert by_line[2]["error"]["code"] == "line_too_long"
+    assert f"is {len(huge) + 1:,} bytes long, over the limit of 4,096" in by_line[2]["error"]["message"]
+    assert by_line[1]["error"] is None and by_line[3]["error"] is None
+
+
+def test_an_unexpected_failure_on_one_line_is_its_internal_error_record(tmp_path, tiny_model, monkeypatch):
+    """Whatever raises while a line becomes a request ends that line only, with the exception's text."""
+    from nanoinfer.llm import LLM
+
+    encode = LLM.encode
+
+    def flaky_encode(self, text):
+        if "boom" in text:
+            raise ZeroDivisionError("a bug nobody foresaw")
+        return encode(self, text)
+
+    monkeypatch.setattr(LLM, "encode", flaky_encode)
+    result, records = run_generate(tmp_path, tiny_model, [GOOD_1, b'{"prompt": "boom"}', GOOD_2])
+    assert result.exit_code == 0, result.output
+    by_line = {r["line"]: r for r in records}
+    assert by_line[2]["error"]["code"] == "internal_error"
+    assert "ZeroDivisionError: a bug nobody foresaw" in by_line[2]["error"]["message"]
+    assert by_line[1]["error"] is None and by_line[3]["error"] is None
 
 
 def test_every_non_blank_line_gets_exactly_one_record(tmp_path, tiny_model):
@@ -323,6 +379,79 @@ def test_input_is_read_lazily(tmp_path):
 # ---- pure parsing and bookkeeping ---------------------------------------------------------------------------
 def parse_all(lines: list[bytes], done: set[int] = frozenset()):
     return list(batch.BatchReader(lines, {"max_tokens": 8}, set(done)))
+
+
+def test_json_depth_ignores_brackets_inside_strings():
+    assert batch.json_depth(b'{"a": [[1], {"b": [2]}]}') == 0  # few brackets: not even scanned
+    deep = b'{"a": ' + b"[" * 70 + b"]" * 70 + b"}"
+    assert batch.json_depth(deep) == 71
+    quoted = json.dumps({"prompt": "[" * 500 + '\\"{' * 100}).encode()
+    assert batch.json_depth(quoted) == 1
+
+
+def test_scan_input_counts_lines_that_span_its_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(batch, "_READ_CHUNK", 7)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf\n{"prompt": "a long line"}\n   \n\n{"prompt": "b"}')
+    digest, num_lines = batch.scan_input(path)
+    assert num_lines == 2 == sum(1 for _ in batch.iter_lines(open(path, "rb")))
+
+
+def test_an_over_long_line_is_read_in_chunks_never_whole(monkeypatch):
+    import io
+
+    sizes = []
+
+    class Stream(io.BytesIO):
+        def readline(self, size=-1):
+            sizes.append(size)
+            return super().readline(size)
+
+    data = b'{"prompt": "a"}\n' + b"x" * 5000 + b"\n" + b'{"prompt": "b"}\n'
+    lines = list(batch.iter_lines(Stream(data), max_line_bytes=100))
+    assert [n for n, _ in lines] == [1, 2, 3]
+    assert isinstance(lines[1][1], batch.LineTooLong) and lines[1][1].num_bytes == 5001
+    assert lines[2][1] == b'{"prompt": "b"}\n'
+    assert all(0 < size <= max(102, batch._READ_CHUNK) for size in sizes)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number > 0"),
+        ({"n": 129}, "n must be an integer in [1, 128]"),
+        ({"logprobs": 21}, "logprobs must be an integer in [0, 20]"),
+        ({"seed": 2**63}, "seed must be a 64-bit signed integer"),
+        ({"stop": ["x" * 1025]}, "at most 1024 characters"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids takes at most 1024 ids"),
+    ],
+)
+def test_sampling_params_bound_what_one_request_may_ask(fields, words):
+    from nanoinfer.errors import RequestError
+    from nanoinfer.sampling_params import SamplingParams
+
+    with pytest.raises(RequestError, match=re.escape(words)):
+        SamplingParams(**fields)
+
+
+def test_a_huge_max_tokens_is_accepted_since_max_model_len_ends_the_sequence():
+    from nanoinfer.sampling_params import SamplingParams
+
+    assert SamplingParams(max_tokens=10**400).max_tokens == 10**400
+
+
+def test_seeds_at_the_ends_of_int64_sample(tiny_model):
+    from nanoinfer.llm import LLM
+    from nanoinfer.sampling_params import SamplingParams
+
+    llm = LLM(tiny_model, device="cpu", max_model_len=64, cpu_kvcache_space_gib=0.02)
+    for seed in (-(2**63), 2**63 - 1):
+        outs = llm.generate(["Hello"], SamplingParams(n=3, seed=seed, max_tokens=2, temperature=1.0))
+        assert [len(c.token_ids) for c in outs[0].outputs] == [2, 2, 2]
+    tiny = llm.generate(["Hello"], SamplingParams(temperature=1e-300, max_tokens=3))[0].outputs[0].token_ids
+    greedy = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+    assert tiny == greedy  # below GREEDY_TEMPERATURE: greedy, not logits divided into infinities
 
 
 def test_ids_default_to_the_line_number_and_blank_lines_count():

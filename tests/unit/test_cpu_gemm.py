@@ -258,8 +258,9 @@ class _Tiny(nn.Module):
         self.gate_up = GateUpParallelLinear(16, 24)
         self.lm_head = ParallelLMHead(50, 16)
         self.lm_head.weight = self.embed.weight
+        gen = torch.Generator().manual_seed(0)
         for p in self.parameters():
-            nn.init.normal_(p)
+            nn.init.normal_(p, generator=gen)
 
     def forward(self, ids):
         h = self.embed(ids)
@@ -280,7 +281,9 @@ def test_prepack_keeps_outputs_and_releases_unshared_weights(kind, monkeypatch):
         with pytest.raises(RuntimeError, match="silu_and_mul"):
             model.gate_up(torch.randn(2, 16))
     after = model(ids)
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-4)
+    # Packed kernels sum in another order: each output may differ by a few float32 roundings of the largest
+    # partial sums, and with N(0, 1) weights through three layers those reach ~100 (fixed atol 1e-4 failed).
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=64 * torch.finfo(torch.float32).eps * float(before.detach().abs().max()))
     assert model.up.weight.numel() == 0 and model.down.weight.numel() == 0  # only the packed copy remains
     assert model.embed.weight.shape == (50, 16)  # shared with the LM head: still needed by the embedding
 
