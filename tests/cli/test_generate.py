@@ -250,6 +250,7 @@ class SignallingLLM:
         self.tokenizer = None
         self.queue: deque[tuple[str, list[int]]] = deque()
         self.signum, self.at_step, self.num_steps = signum, at_step, 0
+        self.max_prompt_chars = 10_000
 
     def encode(self, text):
         return [1, 2]

@@ -129,6 +129,21 @@ def test_a_line_over_the_byte_limit_is_skipped_unread(tmp_path, tiny_model):
     assert by_line[1]["error"] is None and by_line[3]["error"] is None
 
 
+def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(tmp_path, tiny_model, monkeypatch):
+    from nanoinfer.llm import LLM
+
+    encoded = []
+    encode = LLM.encode
+    monkeypatch.setattr(LLM, "encode", lambda self, text: encoded.append(len(text)) or encode(self, text))
+    # the tiny model's longest token is 13 characters: 4 x 13 x 256 = 13,312 characters at most
+    huge = json.dumps({"prompt": "x" * 13_313}).encode()
+    result, records = run_generate(tmp_path, tiny_model, [GOOD_1, huge, GOOD_2])
+    assert result.exit_code == 0, result.output
+    error = {r["line"]: r for r in records}[2]["error"]
+    assert error["code"] == "prompt_too_long" and "13,313 characters" in error["message"]
+    assert 13_313 not in encoded and len(encoded) == 2
+
+
 def test_an_unexpected_failure_on_one_line_is_its_internal_error_record(tmp_path, tiny_model, monkeypatch):
     """Whatever raises while a line becomes a request ends that line only, with the exception's text."""
     from nanoinfer.llm import LLM
@@ -273,6 +288,7 @@ class CountingLLM:
         self.max_in_flight = 0
         self.num_steps = 0
         self.on_first_step = None
+        self.max_prompt_chars = 10_000
 
     def encode(self, text):
         return [1] * len(text.split())

@@ -559,11 +559,20 @@ def _admit(llm, request: batch.BatchRequest) -> batch.LineError | None:
         if request.prompt_token_ids is not None:
             code = "out_of_vocabulary"
             token_ids = llm.check_token_ids(request.prompt_token_ids)
-        elif request.messages is not None:
-            code = "chat_template_error"
-            token_ids = llm.encode(llm.apply_chat_template(request.messages))
         else:
-            token_ids = llm.encode(request.prompt)
+            if request.messages is not None:
+                code = "chat_template_error"
+                text = llm.apply_chat_template(request.messages)
+            else:
+                text = request.prompt
+            if len(text) > llm.max_prompt_chars:
+                code = "prompt_too_long"
+                raise RequestError(
+                    f"the prompt has {len(text):,} characters, more than max_model_len "
+                    f"({llm.config.max_model_len}) tokens can hold. Shorten the prompt or raise --max-model-len."
+                )
+            code = "request_failed"
+            token_ids = llm.encode(text)
         max_model_len = llm.config.max_model_len
         if len(token_ids) >= max_model_len:
             code = "prompt_too_long"
