@@ -3,7 +3,7 @@
 from nanoinfer.config import Config
 from nanoinfer.errors import NanoInferError
 
-__all__ = ["LLM", "SamplingParams", "Config", "NanoInferError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "Config", "NanoInferError"]
 __version__ = "0.1.0"
 
 
@@ -13,8 +13,8 @@ def __getattr__(name):
         from nanoinfer.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from nanoinfer.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from nanoinfer import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(name)

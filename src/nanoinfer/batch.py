@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from nanoinfer.errors import BatchFileError, OutputWriteError, RequestError
+from nanoinfer.errors import BatchFileError, OutputWriteError, RequestError, StructuredOutputError
 from nanoinfer.errors import short_repr as _short
 from nanoinfer.sampling_params import SamplingParams
 
@@ -48,7 +48,10 @@ NATIVE, CHAT, COMPLETIONS = "native", "chat", "completions"
 OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _SAMPLING_KEYS = tuple(SamplingParams.field_names())
-_NATIVE_KEYS = ("id", *_PROMPT_KEYS, *_SAMPLING_KEYS)
+# Ways to ask for structured output besides "structured_outputs": OpenAI's, and vLLM's older extra fields.
+_GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_NATIVE_KEYS = ("id", *_PROMPT_KEYS, *_SAMPLING_KEYS, "response_format")
+ANY_WHITESPACE_DEFAULT = "json_any_whitespace"  # a sampling default of the job (--json-any-whitespace)
 # OpenAI body keys: mapped onto SamplingParams, accepted and ignored, or refused as unsupported.
 _OPENAI_COMMON = (
     "model",
@@ -72,6 +75,9 @@ _OPENAI_COMMON = (
     "ignore_eos",
     "stop_token_ids",
     "skip_special_tokens",
+    "response_format",
+    "structured_outputs",
+    *_GUIDED_KEYS,
 )
 _OPENAI_KEYS = {
     CHAT: (*_OPENAI_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"),
@@ -82,7 +88,6 @@ _OPENAI_UNSUPPORTED = (
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "logit_bias",
     "audio",
     "modalities",
@@ -396,6 +401,7 @@ def _parse_native(number: int, obj: dict, defaults: dict) -> BatchRequest:
         raise BadLine("invalid_prompt", f"gives {' and '.join(given)}; give exactly one of them.")
     request_id = request_id_of(obj, NATIVE) or f"line-{number}"
     fields = {k: obj[k] for k in _SAMPLING_KEYS if k in obj}
+    _take_structured_outputs(obj, fields, ("structured_outputs", "response_format"))
     request = BatchRequest(number, request_id, NATIVE, make_params(defaults, fields))
     key = given[0]
     if key == "prompt":
@@ -424,6 +430,7 @@ def _parse_openai(number: int, obj: dict, kind: str, defaults: dict) -> BatchReq
     if body.get("stream"):
         raise BadLine("unsupported_parameter", "body.stream must be false: batch results are not streamed.")
     fields = {k: body[k] for k in _SAMPLING_KEYS if k in body and k not in ("logprobs",)}
+    _take_structured_outputs(body, fields, ("structured_outputs", "response_format", *_GUIDED_KEYS), "body.")
     if kind == CHAT:
         if body.get("max_completion_tokens") is not None:
             fields["max_tokens"] = body["max_completion_tokens"]
@@ -469,9 +476,50 @@ def _parse_openai(number: int, obj: dict, kind: str, defaults: dict) -> BatchReq
     return request
 
 
+def _take_structured_outputs(obj: dict, fields: dict, keys: tuple[str, ...], where: str = "") -> None:
+    """The one structured-output request among `keys` -> fields["structured_outputs"] (None: explicitly none)."""
+    given = [k for k in keys if k in obj and obj[k] is not None]
+    if len(given) > 1:
+        raise BadLine("invalid_structured_outputs", f"gives {' and '.join(where + k for k in given)}; give one of "
+                      "them (each asks for a structured output).")
+    if not given:
+        return
+    key, value = given[0], obj[given[0]]
+    if key == "structured_outputs":
+        fields[key] = value
+    elif key == "response_format":
+        fields["structured_outputs"] = _from_response_format(value, where + key)
+    else:
+        fields["structured_outputs"] = {_GUIDED_KEYS[key]: value}
+
+
+def _from_response_format(value, where: str) -> dict | None:
+    """OpenAI's response_format -> structured_outputs fields (json_schema, json_object; text: none)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise BadLine("invalid_structured_outputs", f'{where}.json_schema must be an object with a "schema" '
+                          '(and optionally "name", "strict", "description").')
+        return {"json": spec["schema"]}
+    raise BadLine("invalid_structured_outputs", f'{where} must be {{"type": "json_schema", "json_schema": {{...}}}}, '
+                  f'{{"type": "json_object"}} or {{"type": "text"}}, got {_short(value)}.')
+
+
 def make_params(defaults: dict, fields: dict) -> SamplingParams:
+    defaults = dict(defaults)
+    any_whitespace = defaults.pop(ANY_WHITESPACE_DEFAULT, False)
+    structured = fields.get("structured_outputs", defaults.get("structured_outputs"))
+    if any_whitespace and isinstance(structured, dict) and "any_whitespace" not in structured:
+        fields = {**fields, "structured_outputs": {**structured, "any_whitespace": True}}
     try:
         return SamplingParams(**{**defaults, **fields})
+    except StructuredOutputError as e:
+        raise BadLine("invalid_structured_outputs", f"{e}.") from None
     except RequestError as e:
         raise BadLine("invalid_sampling_params", f"{e}.") from None
     except TypeError as e:  # e.g. stop given as a number the constructor cannot iterate

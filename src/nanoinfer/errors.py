@@ -55,6 +55,10 @@ class RequestError(NanoInferError):
     """A request (prompt or sampling parameters) is invalid."""
 
 
+class StructuredOutputError(RequestError):
+    """A request's structured_outputs (JSON schema, regex, choice, grammar) is invalid or cannot compile."""
+
+
 class BatchFileError(NanoInferError):
     """A file-level problem with a `generate` job (input, output, resume manifest)."""
 

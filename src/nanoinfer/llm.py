@@ -15,6 +15,7 @@ from nanoinfer.engine.sequence import Request, Sequence
 from nanoinfer.errors import ConfigError, ConfigProblem, RequestError
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured_output import StructuredOutputManager
 from nanoinfer.tokenizer import load_tokenizer
 
 
@@ -45,6 +46,7 @@ class LLM:
         self.eos_token_ids = eos_ids
         self.engine = LLMEngine(config, stop_string_checker=self._check_stop_strings, eos_token_ids=eos_ids)
         self._request_counter = itertools.count()
+        self._structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
 
     # ---- the batch API --------------------------------------------------------------------------------
     def generate(
@@ -93,8 +95,20 @@ class LLM:
         else:
             text, token_ids = None, self.check_token_ids(prompt)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
-        self.engine.add_request(Request(request_id, token_ids, params, prompt=text))
+        request = Request(request_id, token_ids, params, prompt=text)
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured_outputs.request_for(params.structured_outputs)
+        self.engine.add_request(request)
         return request_id
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar compiler of this LLM's tokenizer and vocabulary."""
+        if self._structured_outputs is None:
+            self._structured_outputs = StructuredOutputManager(
+                self.tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids
+            )
+        return self._structured_outputs
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         finished, stats = self.engine.step()
@@ -163,7 +177,7 @@ class LLM:
             outputs.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-                error=seq.error,
+                error=seq.error, error_code=seq.error_code,
             ))
         first = request.sequences[0]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs,

@@ -16,6 +16,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None for EOS)
     logprobs: list[Logprob] | None = None
     error: str | None = None
+    error_code: str | None = None  # e.g. invalid_structured_outputs; None for other errors
 
 
 @dataclass
@@ -42,6 +43,10 @@ class RequestOutput:
     @property
     def error(self) -> str | None:
         return self.outputs[0].error
+
+    @property
+    def error_code(self) -> str | None:
+        return self.outputs[0].error_code
 
     @property
     def usage(self) -> dict:

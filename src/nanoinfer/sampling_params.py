@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 
-from nanoinfer.errors import RequestError
+from nanoinfer.errors import RequestError, StructuredOutputError
 from nanoinfer.errors import short_repr as _show
 
 # Bounds that keep one request from monopolizing a job (README "Limits"). MAX_N is OpenAI's bound on n.
@@ -17,6 +18,89 @@ MAX_STOP_TOKEN_IDS = 1024
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI's seed
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would overflow them.
 GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names); exactly one kind per request.
+
+    Args:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value it validates.
+        json_object: True: the output is any JSON object.
+        regex: the output matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: the output is a sentence of this EBNF grammar (GBNF style, `root ::= ...`).
+        any_whitespace: JSON may hold free whitespace between its tokens. Off by default (the reverse of
+            vLLM's disable_any_whitespace): JSON is written as json.dumps writes it, one space after `,` and
+            `:`, since with free whitespace small models pad with spaces until max_tokens and never close.
+    """
+
+    json: dict | str | bool | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    @classmethod
+    def from_dict(cls, value) -> StructuredOutputsParams:
+        if isinstance(value, StructuredOutputsParams):
+            params = value
+        elif not isinstance(value, dict):
+            raise StructuredOutputError(f"invalid structured_outputs: must be an object such as "
+                                        f"{{\"json\": {{...}}}}, got {_show(value)}")
+        else:
+            unknown = [k for k in value if k not in (*cls.KINDS, "any_whitespace")]
+            if unknown:
+                raise StructuredOutputError(
+                    f"invalid structured_outputs: unknown key(s) {', '.join(map(_show, unknown[:5]))}; it takes "
+                    f"one of {', '.join(cls.KINDS)} (and any_whitespace)")
+            params = cls(**value)
+        problems = params.problems()
+        if problems:
+            raise StructuredOutputError("invalid structured_outputs: " + "; ".join(problems))
+        return params
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def problems(self) -> list[str]:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            return [f"give exactly one of {', '.join(self.KINDS)}, got {', '.join(given) or 'none'}"]
+        kind, value = given[0], getattr(self, given[0])
+        if not isinstance(self.any_whitespace, bool):
+            return [f"any_whitespace must be true or false, got {_show(self.any_whitespace)}"]
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    return [f"json is a string that is not JSON text ({e})"]
+            if not isinstance(value, (dict, bool)):
+                return [f"json must be a JSON schema (an object), got {_show(value)}"]
+        elif kind == "json_object" and value is not True:
+            return [f"json_object must be true, got {_show(value)}"]
+        elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            return [f"{kind} must be a non-empty string, got {_show(value)}"]
+        elif kind == "choice" and (not isinstance(value, list) or not value
+                                   or not all(isinstance(c, str) and c for c in value)):
+            return [f"choice must be a non-empty list of non-empty strings, got {_show(value)}"]
+        return []
+
+    def cache_key(self) -> tuple[str, str, bool]:
+        """(kind, canonical text, any_whitespace): equal keys compile to the same grammar."""
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "json":
+            value = json.dumps(json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+        elif kind == "choice":
+            value = json.dumps(value)
+        elif kind == "json_object":
+            value = ""
+        return kind, value, self.any_whitespace
 
 
 @dataclass
@@ -37,6 +121,8 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         logprobs: None, or how many top alternatives (0 to MAX_LOGPROBS) to return with each token's logprob.
         skip_special_tokens: drop special tokens from the returned text.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (or None); a
+            dict is read as StructuredOutputsParams' fields.
     """
 
     n: int = 1
@@ -55,8 +141,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -125,8 +214,9 @@ class SamplingParams:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Greedy with nothing else to do: no penalties, no logprobs (the argmax of the raw logits is the token)."""
-        return self.is_greedy and self.logprobs is None and not self.has_penalties
+        """Greedy with nothing else to do: no penalties, no logprobs, no grammar (the argmax of the raw logits is
+        the token)."""
+        return self.is_greedy and self.logprobs is None and not self.has_penalties and self.structured_outputs is None
 
     @classmethod
     def field_names(cls) -> list[str]:

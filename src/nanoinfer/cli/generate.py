@@ -182,6 +182,15 @@ def generate(
         int | None,
         _opt("--logprobs", help="Return each token's logprob and this many alternatives.", panel=_SAMPLING),
     ] = None,
+    json_schema: Annotated[
+        Path | None,
+        _opt("--json-schema", help="Constrain every output to this JSON schema (a file).", panel=_SAMPLING),
+    ] = None,
+    json_any_whitespace: Annotated[
+        bool | None,
+        _opt("--json-any-whitespace/--no-json-any-whitespace",
+             help="Let JSON outputs hold free whitespace (default: as json.dumps writes it).", panel=_SAMPLING),
+    ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted job into OUTPUT.")
     ] = False,
@@ -262,6 +271,8 @@ def generate(
         "ignore_eos": ignore_eos,
         "n": n,
         "logprobs": logprobs,
+        "structured_outputs": json_schema,  # the file's path: prepare_job reads it
+        batch.ANY_WHITESPACE_DEFAULT: json_any_whitespace,
     }
     stopper = Stopper()
     stopper.install()
@@ -338,12 +349,12 @@ def prepare_job(
         _check_output_path(input_path, output_path, resume, overwrite)
     sampling_defaults = {k: v for k, v in flags.items() if v is not None}
     sampling_defaults.setdefault("max_tokens", batch.DEFAULT_MAX_TOKENS)
+    if "structured_outputs" in sampling_defaults:
+        sampling_defaults["structured_outputs"] = {"json": _read_json_schema(sampling_defaults["structured_outputs"])}
     try:
-        from nanoinfer.sampling_params import SamplingParams
-
-        SamplingParams(**sampling_defaults)
-    except RequestError as e:
-        raise RequestError(f"the sampling flags are invalid: {e}") from None
+        batch.make_params(sampling_defaults, {})
+    except batch.BadLine as e:
+        raise RequestError(f"the sampling flags are invalid: {e.message}") from None
     config = build_config(config_path, overrides)
     if max_in_flight is None:
         max_in_flight = min(4 * config.max_num_seqs, MAX_IN_FLIGHT_CAP)
@@ -361,6 +372,25 @@ def prepare_job(
         if resume and output_path.exists():
             _check_manifest(output_path, job.manifest)
     return job
+
+
+def _read_json_schema(path: Path) -> dict:
+    """--json-schema's file: JSON text of a schema xgrammar can turn into a grammar (checked before loading)."""
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BatchFileError(f"--json-schema {path} cannot be read as JSON ({e}). Pass a file holding a JSON "
+                             "schema, e.g. {\"type\": \"object\", \"properties\": {...}}.") from None
+    if not isinstance(schema, dict):
+        raise BatchFileError(f"--json-schema {path} holds a JSON {type(schema).__name__}, not a schema object.")
+    try:
+        import xgrammar
+
+        xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    except Exception as e:  # xgrammar raises RuntimeError with its own message for a schema it cannot use
+        raise BatchFileError(f"--json-schema {path} cannot be used: {str(e).strip().splitlines()[-1][:300]}. "
+                             "Fix the schema or leave the flag out.") from None
+    return schema
 
 
 def _check_output_path(input_path: Path | None, output_path: Path, resume: bool, overwrite: bool) -> None:
@@ -543,7 +573,7 @@ def stream_requests(
                     request.line,
                     request.id,
                     request.kind,
-                    "request_failed",
+                    getattr(output, "error_code", None) or "request_failed",
                     f"line {request.line}: {output.error}",
                 )
                 _write(writer, progress, batch.error_record(error), None, True)

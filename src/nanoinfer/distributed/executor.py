@@ -132,6 +132,7 @@ class TensorParallelExecutor:
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """Run one step on every rank; returns seq_id -> sampled token ids (sampled on rank 0 only)."""
         input_ids, positions, metadata, sample_indices, sample_seqs = self.runner.prepare_inputs(out)
+        self.runner.sampler.prepare(sample_seqs, self.runner.config.hf_config.vocab_size)
         logits = self._forward(input_ids, positions, metadata, sample_indices, with_logits=bool(sample_seqs))
         if logits is None:
             return {}

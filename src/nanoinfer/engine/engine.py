@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,9 @@ class LLMEngine:
     def step(self) -> tuple[list[Request], StepStats]:
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        if out.is_empty:
+            # Nothing to run but grammars still compiling: wait for one instead of spinning against the compiler.
+            futures.wait(self.scheduler.pending_grammars(), timeout=0.05, return_when=futures.FIRST_COMPLETED)
         sampled = self.model_runner.execute(out) if not out.is_empty else {}
         num_prefill = sum(n for seq, n in out.scheduled if not _is_decode(seq, n))
         num_decode = out.num_scheduled_tokens - num_prefill

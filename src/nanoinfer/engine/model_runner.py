@@ -199,6 +199,7 @@ class ModelRunner:
         """Run one step; returns seq_id -> the token ids sampled for the sequences that reached their end
         (one each, or one per scheduled token of a speculated sequence)."""
         input_ids, positions, metadata, sample_indices, sample_seqs = self.prepare_inputs(out)
+        self.sampler.prepare(sample_seqs, self.config.hf_config.vocab_size)  # grammar bitmasks, during forward
         hidden_states = self._forward(input_ids, positions, metadata, sample_indices)
         if not sample_seqs:
             return {}

@@ -121,9 +121,13 @@ class Scheduler:
                 i += 1
 
         # Then waiting sequences, in order, while budget, sequence slots and blocks last. Not after a
-        # preemption: the cache is already short.
+        # preemption: the cache is already short. One whose grammar still compiles stays, and the rest go on.
+        compiling: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
+            if seq.grammar is None and seq.request.structured_output is not None:
+                if not self._start_grammar(seq, compiling):
+                    continue
             computed = bm.get_computed_blocks(seq.token_ids) if seq.num_computed_tokens == 0 else []
             num_cached = len(computed) * bm.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
@@ -137,6 +141,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
         # Last, proposed tokens, from what the budget has left: speculation never delays an admission. Not
         # after a preemption: the cache is short.
@@ -147,6 +152,31 @@ class Scheduler:
                     out.scheduled[j] = (seq, 1 + len(seq.spec_token_ids))
                     budget -= len(seq.spec_token_ids)
         return out
+
+    def _start_grammar(self, seq: Sequence, compiling: list[Sequence]) -> bool:
+        """Give the queue's first sequence its grammar matcher; False when it has left the queue (set aside
+        while its grammar compiles, or finished because the grammar cannot be used)."""
+        structured = seq.request.structured_output
+        if structured.is_pending:
+            compiling.append(self.waiting.popleft())
+            return False
+        error = structured.error
+        if error is None:
+            seq.grammar = structured.new_matcher()
+            return True
+        self.waiting.popleft()
+        self._finish(seq, "error", error=error)
+        seq.error_code = "invalid_structured_outputs"
+        if seq.request.is_finished:
+            self._num_unfinished_requests -= 1
+            self._finished_at_admission.append(seq.request)
+        return False
+
+    def pending_grammars(self) -> list:
+        """The compile futures that queued sequences wait for (the engine waits on them when idle)."""
+        return [s.request.structured_output.future for s in self.waiting
+                if s.grammar is None and s.request.structured_output is not None
+                and s.request.structured_output.is_pending]
 
     def _speculate(self, seq: Sequence, spare_budget: int) -> bool:
         """Propose tokens for `seq` (scheduled for its last token) and give them slots; False (nothing proposed)
@@ -230,8 +260,13 @@ class Scheduler:
                     finished.append(seq.request)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | str | None] | None:
+    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple | None:
         params = seq.params
+        if seq.grammar is not None:  # the mask let only tokens the grammar accepts through
+            if not seq.grammar.accept_token(token_id):
+                return "error", None, f"the grammar rejected token {token_id} (a bug in nanoinfer; please report it)"
+            if seq.grammar.is_terminated():  # the grammar's end (its EOS accepted): the output is complete
+                return "stop", None
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", None

@@ -45,6 +45,7 @@ class Sequence:
         self.finish_reason: str | None = None  # stop | length | error
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # for an error the user can fix, a code for scripts (else None)
         self.logprobs: list[Logprob] = []
         self.output_text = ""  # filled by the stop-string checker when stop strings are set
         self.num_preemptions = 0
@@ -58,6 +59,9 @@ class Sequence:
         # Made by the sampler on the logits' device at the first draw: a CPU generator cannot drive a CUDA
         # multinomial, and copying each seeded row to the CPU would sync once per sequence per step.
         self.generator: torch.Generator | None = None
+        # Structured output: this sequence's xgrammar matcher, made when the request's grammar has compiled.
+        # It advances with every output token and survives preemption (the output tokens are kept).
+        self.grammar = None
 
     @property
     def params(self) -> SamplingParams:
@@ -91,6 +95,7 @@ class Request:
     sampling_params: SamplingParams
     prompt: str | None = None
     sequences: list[Sequence] = field(default_factory=list)
+    structured_output: object | None = None  # a StructuredOutputRequest when sampling_params ask for a grammar
 
     def __post_init__(self):
         if not self.sequences:

@@ -2,7 +2,8 @@
 
 Greedy rows take an argmax; the rest are penalised, tempered, filtered (top-k, top-p, min-p) and
 sampled in one batch. A seeded sequence draws from its own torch.Generator, so its output does not
-depend on what else is in the batch.
+depend on what else is in the batch. A sequence with a grammar (structured output) has the tokens its
+grammar forbids masked out first, greedy or not; its logprobs are those of the masked distribution.
 """
 
 from __future__ import annotations
@@ -11,24 +12,31 @@ import torch
 
 from nanoinfer.cpu_ops import cpu_ops
 from nanoinfer.engine.sequence import Logprob, Sequence
+from nanoinfer.structured_output import apply_grammar_bitmask, fill_grammar_bitmask
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # unseeded draws, one per device
+        self._bitmask = None  # the grammar bitmask prepare() started for the coming call
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
+    def prepare(self, seqs: list[Sequence], vocab_size: int) -> None:
+        """Before the forward pass: start filling the grammar bitmask of `seqs`' constrained rows."""
+        self._bitmask = fill_grammar_bitmask(seqs, vocab_size)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits [num_seqs, vocab] (the model's dtype) -> one token id per sequence."""
         params = [s.params for s in seqs]  # read once: this runs for every row of every step
         if all(p.is_plain_greedy for p in params):
             return _argmax(logits).tolist()  # the logits as they are: widening them would not change the argmax
-        logits = logits.float()
+        bitmask, self._bitmask = self._bitmask, None
+        logits = apply_grammar_bitmask(logits.float(), seqs, bitmask)
         raw_logits = logits
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
@@ -101,7 +109,8 @@ def _logprob(logits: torch.Tensor, token_id: int, num_top: int) -> Logprob:
     top: list[tuple[int, float]] = []
     if num_top > 0:
         values, ids = torch.topk(logprobs, num_top)
-        top = list(zip(ids.tolist(), values.tolist()))
+        # tokens a grammar forbids have logprob -inf: no alternative at all (and JSON has no -Infinity)
+        top = [(t, v) for t, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
     return Logprob(token_id, float(logprobs[token_id]), top)
 
 

@@ -1,0 +1,52 @@
+"""The token bitmask of a step's constrained rows: filled by each sequence's matcher, applied to the logits.
+
+Filling runs on a helper thread while the forward pass runs (xgrammar releases the GIL), so the mask is
+usually ready when the logits are.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+_fill_thread: ThreadPoolExecutor | None = None
+
+
+def constrained_rows(seqs) -> list[int]:
+    return [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+
+
+def fill_grammar_bitmask(seqs, vocab_size: int) -> Future | None:
+    """Start filling the bitmask of `seqs`' constrained rows; None when no row is constrained."""
+    rows = constrained_rows(seqs)
+    if not rows:
+        return None
+    global _fill_thread
+    if _fill_thread is None:
+        _fill_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-bitmask")
+    matchers = [seqs[i].grammar for i in rows]
+    return _fill_thread.submit(_fill, matchers, vocab_size)
+
+
+def _fill(matchers, vocab_size: int) -> torch.Tensor:
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)
+    for row, matcher in enumerate(matchers):
+        matcher.fill_next_token_bitmask(bitmask, row)
+    return bitmask
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, seqs, pending: Future | None) -> torch.Tensor:
+    """Set the logits of tokens a row's grammar forbids to -inf (float32 logits, rows as in `seqs`)."""
+    rows = constrained_rows(seqs)
+    if not rows:
+        return logits
+    import xgrammar
+
+    bitmask = (pending.result() if pending is not None else _fill([seqs[i].grammar for i in rows], logits.shape[-1]))
+    masked = logits[rows]
+    xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True))
+    logits[rows] = masked
+    return logits
