@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +95,30 @@ def test_tp2_matches_tp1_logits_and_greedy_tokens(model_dirs, sharded_llms, fami
     assert all(len(t) == NUM_TOKENS for t in got)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a == b, f"prompt {i} ({len(prompts[i])} tokens): TP=2 diverged from TP=1"
+
+
+def test_structured_output_under_tp2_is_valid_and_equals_tp1(model_dirs, sharded_llms):
+    """The grammar mask is applied on rank 0's gathered logits: the same tokens as one rank, all valid."""
+    schema = {"type": "object", "properties": {"k": {"enum": ["red", "green"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 99}}, "required": ["k", "n"]}
+    params = [SamplingParams(temperature=t, seed=3, n=2, max_tokens=40, structured_outputs={"json": schema})
+              for t in (0.0, 1.0)]
+    params.append(SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": "[ab]{4}"}))
+    single = LLM(str(model_dirs["qwen3"]), **ENGINE)
+    prompts = make_prompts(single.config.hf_config.vocab_size)[:3]
+    want = single.generate(prompts, params)
+    got = sharded_llms("qwen3").generate(prompts, params)
+    num_stopped = 0
+    for a, b, p in zip(got, want, params):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for c in a.outputs:
+            if c.finish_reason == "stop":
+                num_stopped += 1
+                if p.structured_outputs.kind == "json":
+                    assert json.loads(c.text)["k"] in ("red", "green")
+                else:
+                    assert re.fullmatch("[ab]{4}", c.text)
+    assert num_stopped >= 3
 
 
 def test_kv_cache_reallocation_reaches_every_rank(sharded_llms):

@@ -46,7 +46,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, seqs, pending: Future | None) ->
     import xgrammar
 
     bitmask = (pending.result() if pending is not None else _fill([seqs[i].grammar for i in rows], logits.shape[-1]))
-    masked = logits[rows]
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index)  # a copy: logits may be an inference tensor (tensor parallel)
     xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True))
-    logits[rows] = masked
-    return logits
+    return logits.index_copy(0, index, masked)

@@ -100,11 +100,10 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams):
         compiler = self._get_compiler()
         kind, value = params.kind, getattr(params, params.kind)
-        if kind == "json":
+        if kind in ("json", "json_object"):
             schema = value if isinstance(value, str) else json.dumps(value)
-            return compiler.compile_json_schema(schema, any_whitespace=params.any_whitespace)
-        if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=params.any_whitespace)
+            schema = '{"type": "object"}' if kind == "json_object" else schema
+            return compiler.compile_grammar(_json_schema_ebnf(schema, params.any_whitespace))
         if kind == "regex":
             return compiler.compile_regex(value)
         if kind == "choice":  # EBNF string literals take JSON's escapes
@@ -121,6 +120,24 @@ class StructuredOutputManager:
                 )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
             return self._compiler
+
+
+# Two leniencies of xgrammar 0.2.9's JSON strings, closed here on the grammar's text: a string with a length
+# bound (minLength / maxLength) takes [^"\\\r\n], raw control characters included (a tab, U+001F), which
+# RFC 8259 refuses and json.loads rejects; and every string takes UTF-8-encoded surrogates (ED A0 80), which
+# are no characters: they decode to U+FFFD, and a maxLength counted them as one. Both classes become one that
+# excludes U+0000-U+001F and U+D800-U+DFFF.
+_STRING_CHARACTERS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
+_JSON_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\\\r\\n\\uD800-\\uDFFF]'
+
+
+def _json_schema_ebnf(schema: str, any_whitespace: bool) -> str:
+    import xgrammar
+
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    for loose in _STRING_CHARACTERS:
+        ebnf = ebnf.replace(loose, _JSON_STRING_CHARACTER)
+    return ebnf
 
 
 def _hf_tokenizer(tokenizer):
