@@ -202,8 +202,9 @@ def test_logprobs_are_of_the_masked_distribution(tiny_llm):
     [
         dict(max_num_batched_tokens=32, max_num_seqs=8),  # chunked prefill
         dict(num_kvcache_blocks=3),  # forced preemption: 3 blocks of 256 tokens for 8 prompts of ~150
+        dict(num_speculative_tokens=3),  # constrained sequences are never speculated; the others still are
     ],
-    ids=["chunked_prefill", "preemption"],
+    ids=["chunked_prefill", "preemption", "speculation"],
 )
 def test_constraints_hold_under_chunked_prefill_and_preemption(tiny_model_dirs, regime):
     rng = random.Random(0)

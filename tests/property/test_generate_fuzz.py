@@ -59,8 +59,13 @@ json_values = st.recursive(
 )
 SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop", "stop_token_ids",
                    "seed", "n", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "skip_special_tokens", "best_of", "max_completion_tokens"]
-field_values = st.one_of(scalars, st.lists(scalars, max_size=20), json_values)
+                   "frequency_penalty", "skip_special_tokens", "best_of", "max_completion_tokens",
+                   "structured_outputs", "response_format"]
+STRUCTURED = [{"json": {"type": "object"}}, {"regex": "[a-z]+"}, {"choice": ["a", "b"]}, {"choice": []},
+              {"json": {"type": "objekt"}}, {"regex": "(ab"}, {"grammar": "root ::= x"}, {"json_object": True},
+              {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}, {"type": "json_object"},
+              {"type": "text"}, {"json": "{not json"}, {"json": {}, "regex": "a"}]
+field_values = st.one_of(scalars, st.lists(scalars, max_size=20), json_values, st.sampled_from(STRUCTURED))
 
 
 @st.composite
