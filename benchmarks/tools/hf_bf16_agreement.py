@@ -13,11 +13,11 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from nanoinfer.llm import LLM
 from nanoinfer.model_source import ensure_default_model
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.testing.hf_reference import hf_model
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     prompts = [[rng.randrange(49152) for _ in range(rng.randint(32, 256))] for _ in range(16)]
     llm = LLM(model="smollm2-135m-instruct", dtype="bfloat16", num_speculative_tokens=3)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64))
-    hf = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.bfloat16)
+    hf = hf_model(ensure_default_model(), torch.bfloat16)
     identical, first_differences = 0, []
     for prompt, output in zip(prompts, outputs):
         ours = list(output.outputs[0].token_ids)

@@ -275,14 +275,15 @@ def run_hf(
     import torch
     import transformers
 
+    from nanoinfer.testing.hf_reference import hf_model
+
     batch_size = batch_size or workload.num_requests
     if batch_size < 1:
         raise NanoInferError(f"--hf-batch-size must be at least 1, got {batch_size}.")
     transformers.utils.logging.disable_progress_bar()
     reset_peak_memory(device)
     start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-    model = model.to(device).eval()
+    model = hf_model(model_dir, getattr(torch, dtype)).to(device)  # a GGUF folder's file through transformers
     pad_id = _pad_token_id(model)
     load_seconds = time.perf_counter() - start
     if warmup:

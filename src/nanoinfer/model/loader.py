@@ -1,6 +1,6 @@
-"""safetensors checkpoint -> model parameters. Names every missing and unexpected weight in its error.
+"""safetensors (or GGUF) checkpoint -> model parameters. Names every missing and unexpected weight in its error.
 
-Only safetensors are read: pickle checkpoints (*.bin) can run code on load and are refused.
+Only safetensors and GGUF files are read: pickle checkpoints (*.bin) can run code on load and are refused.
 """
 
 from __future__ import annotations
@@ -14,10 +14,18 @@ from torch import nn
 from nanoinfer.errors import ModelLoadError
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+def load_weights(model: nn.Module, model_dir: str | Path, hf_config=None) -> None:
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
+        from nanoinfer.model import gguf
+
+        ggufs = gguf.gguf_files(model_dir)
+        if len(ggufs) == 1:
+            return gguf.load_gguf_weights(model, ggufs[0], hf_config)
+        if len(ggufs) > 1:
+            raise ModelLoadError(f"{model_dir} holds several GGUF files ({', '.join(p.name for p in ggufs)}); "
+                                 "keep one model per folder (split GGUF files are not supported yet).")
         has_bin = any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt"))
         hint = (
             " It has pickle weights (*.bin), which nanoinfer does not load because unpickling can run code;"
@@ -37,7 +45,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                     continue  # the head shares the embedding table
                 if "rotary_emb.inv_freq" in name:
                     continue  # recomputed from the config
-                target, shard_id = _target_name(name, packed)
+                target, shard_id = target_name(name, packed)
                 param = params.get(target)
                 if param is None:
                     unexpected.append(name)
@@ -53,6 +61,12 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                     else:
                         loader(param, tensor, shard_id)
                 loaded.add(target if shard_id is None else f"{target}:{shard_id}")
+    check_complete(model, packed, tied, loaded, unexpected, model_dir)
+
+
+def check_complete(model: nn.Module, packed: dict, tied: bool, loaded: set[str], unexpected: list[str],
+                   source: Path) -> None:
+    """Every parameter loaded and nothing left over, or a ModelLoadError naming both lists."""
     expected = _expected_names(model, packed, tied)
     missing = sorted(expected - loaded)
     if missing or unexpected:
@@ -62,12 +76,12 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         if unexpected:
             parts.append(f"unexpected weights: {', '.join(unexpected[:20])}" + (" ..." if len(unexpected) > 20 else ""))
         raise ModelLoadError(
-            f"the checkpoint in {model_dir} does not match the {type(model).__name__} built from its config.json "
+            f"the checkpoint in {source} does not match the {type(model).__name__} built from its config.json "
             f"({'; '.join(parts)}). Check that config.json belongs to these weights."
         )
 
 
-def _target_name(name: str, packed: dict) -> tuple[str, object]:
+def target_name(name: str, packed: dict) -> tuple[str, object]:
     for fragment, (fused, shard_id) in packed.items():
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{fused}."), shard_id

@@ -5,14 +5,27 @@ from __future__ import annotations
 import torch
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int, dtype: torch.dtype = torch.float32,
-              top_k: int = 0) -> tuple[list[list[int]], list[torch.Tensor]] | tuple[list[list[int]], list, list]:
+def hf_model(model_dir, dtype: torch.dtype = torch.float32, config=None):
+    """transformers' model class on the folder's weights: its safetensors, or its GGUF through transformers' own
+    GGUF loader (dequantized by the gguf package, as nanoinfer's; `config` for what its metadata cannot say)."""
+    from pathlib import Path
+
+    import transformers
+
+    folder = Path(model_dir)
+    ggufs = sorted(folder.glob("*.gguf")) if not any(folder.glob("*.safetensors")) else []
+    kwargs = {"gguf_file": ggufs[0].name} if ggufs else {}
+    if config is not None:
+        kwargs["config"] = config
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kwargs).eval()
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int, dtype: torch.dtype = torch.float32, top_k: int = 0,
+              config=None) -> tuple[list[list[int]], list[torch.Tensor]] | tuple[list[list[int]], list, list]:
     """transformers' own greedy decode, one prompt at a time (no padding), EOS ignored.
     Returns the generated ids and each prompt's first-step logits; with top_k > 0 also, per prompt, the
     set of the top_k token ids at every step (for check_logprobs_close)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = hf_model(model_dir, dtype, config)
     outputs, first_logits, top_sets = [], [], []
     with torch.inference_mode():
         for prompt in prompts:

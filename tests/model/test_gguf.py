@@ -1,0 +1,153 @@
+"""GGUF files as a weight format: tiny random models written with the `gguf` package in every tensor type
+nanoinfer loads, run from the .gguf file itself; greedy float32 tokens equal transformers' on the same file
+(its own GGUF loader, dequantizing with the gguf package). Q4_0 / Q4_1 blocks reach the CPU 4-bit GEMM as
+they are; unsupported types and architectures are clear errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.cli import app
+from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.errors import ModelLoadError, NanoInferError
+from nanoinfer.model import cpu_gemm
+from nanoinfer.model import gguf as gguf_format
+from nanoinfer.testing.hf_reference import hf_greedy, hf_model
+from nanoinfer.testing.tiny_gguf import build_tiny_gguf
+
+NUM_TOKENS = 12
+K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+CASES = [(family, kind) for family in ("qwen3", "llama") for kind in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")]
+CASES += [("qwen2", "Q4_1"), ("qwen2", "Q8_0"), ("llama", "Q4_K"), ("qwen3", "Q6_K"), ("qwen2", "Q4_K")]
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    threads = torch.get_num_threads()
+    yield tmp_path_factory.mktemp("gguf")
+    torch.set_num_threads(threads)
+
+
+def build(gguf_dir, family: str, kind: str):
+    shape = K_QUANT_SHAPE if kind.endswith("_K") else {}
+    folder = gguf_dir / f"{family}-{kind}"
+    folder.mkdir(exist_ok=True)
+    return build_tiny_gguf(family, folder / "model.gguf", kind, **shape)
+
+
+def prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (3, 17, 40)]
+
+
+@pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
+def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_dir, family, kind):
+    path = build(gguf_dir, family, kind)
+    llm = LLM(str(path), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
+    assert llm.config.hf_config.model_type == family
+    ids = prompts(llm.config.hf_config.vocab_size)
+    ours = [o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
+                                                                  ignore_eos=True))]
+    # transformers reads the same GGUF; its config comes from the source folder (transformers' GGUF mapping
+    # leaves a Qwen3 head_dim other than 128 out)
+    config = transformers.AutoConfig.from_pretrained(path.with_suffix(".hf"))
+    theirs, _ = hf_greedy(llm.config.model, ids, NUM_TOKENS, config=config)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_4bit_blocks_go_to_the_gemm_as_they_are(gguf_dir, kind, monkeypatch):
+    if not cpu_gemm.q4_panels_supported():
+        pytest.skip("this CPU's build has no 4-bit panel GEMM (AVX-512)")
+    detected = []
+    monkeypatch.setattr(cpu_gemm, "pack_compact", lambda w, g: detected.append(w.shape) or None)
+    path = build(gguf_dir, "llama", kind)
+    llm = LLM(str(path), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
+    linears = [m for name, m in llm.engine.model_runner.model.named_modules() if name.endswith("proj")]
+    assert linears and all(m.packed_weight.compact is not None for m in linears)
+    assert detected == [] or all(shape[0] == llm.config.hf_config.vocab_size for shape in detected)  # LM head only
+    # The blocks are the file's: d * q + m gives transformers' dequantized weight, every value (Q4_0's d may be
+    # negative, so a zero can come out as -0.0 there and +0.0 here: equal values, no dot product changes).
+    hf = hf_model(llm.config.model, torch.float32, config=transformers.AutoConfig.from_pretrained(llm.config.model))
+    weight = hf.model.layers[0].mlp.down_proj.weight.detach()
+    tensor = next(t for t in gguf_format.open_gguf(path).tensors if t.name == "blk.0.ffn_down.weight")
+    d, m, q = (torch.from_numpy(np.array(b)) for b in gguf_format.q4_blocks(tensor))
+    values = q.view(q.shape[0], -1, 32).float() * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)
+    assert torch.equal(values.view_as(weight), weight)
+    down = llm.engine.model_runner.model.model.layers[0].mlp.down_proj
+    if kind == "Q4_1":  # and the very bytes the packer finds from the dequantized values (its d is >= 0)
+        assert torch.equal(down.packed_weight.compact, cpu_ops().pack_q4_panels(weight.contiguous(), False))
+
+
+def test_a_folder_holding_one_gguf_is_a_model_and_the_cli_runs_it(gguf_dir, tmp_path):
+    path = build(gguf_dir, "qwen3", "Q8_0")
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello"}]}) + "\n")
+    result = CliRunner().invoke(app, ["generate", str(source), "-o", str(out), "--model", str(path.parent),
+                                      "--device", "cpu", "--max-model-len", "128", "--cpu-kvcache-space-gib",
+                                      "0.02", "--max-tokens", "4", "--temperature", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    assert record["error"] is None and record["usage"]["completion_tokens"] >= 1
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(gguf_dir):
+    path = build(gguf_dir, "qwen3", "F16")
+    llm = LLM(str(path), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
+    reference = transformers.AutoTokenizer.from_pretrained(path.with_suffix(".hf"))
+    for text in ["The quick brown fox", "Paris is the capital of France; 1000 <|im_end|>", "def main(): {}"]:
+        assert llm.encode(text) == reference.encode(text)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert llm.apply_chat_template(chat) == reference.apply_chat_template(chat, tokenize=False,
+                                                                         add_generation_prompt=True)
+    assert llm.eos_token_ids == {reference.eos_token_id}
+
+
+def test_an_unsupported_tensor_type_is_an_error_naming_it(gguf_dir, monkeypatch):
+    import gguf
+
+    path = build(gguf_dir, "qwen2", "F32")
+    bad = gguf_dir / "iq" / "model.gguf"
+    bad.parent.mkdir()
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(bad), "qwen2")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1
+                             else None)
+    for t in reader.tensors:
+        if t.name == "blk.0.ffn_down.weight":  # IQ4_NL: 32 values in 18 bytes
+            raw = np.zeros((t.shape[1], t.shape[0] // 32 * 18), dtype=np.uint8)
+            writer.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        else:
+            writer.add_tensor(t.name, np.array(t.data).reshape([int(x) for x in reversed(t.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="blk.0.ffn_down.weight is of type IQ4_NL"):
+        LLM(str(bad), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
+
+
+def test_an_unsupported_architecture_is_an_error_naming_it(tmp_path):
+    import gguf
+
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(NanoInferError, match="GGUF architecture 'gemma' is not supported"):
+        LLM(str(path), device="cpu")
