@@ -163,3 +163,24 @@ def test_amx_rows_have_the_same_bits_on_any_thread_count(rows):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (37, 32), (200, 96), (16, 1536)])
+def test_blocks_from_a_gguf_pack_to_the_bytes_the_packer_finds(gated, out_features, in_features):
+    """compact_from_blocks (a GGUF's Q4_0 / Q4_1 blocks, no float32 detection) writes pack_q4_panels' layout
+    byte for byte, in pieces at any row offsets (q, k and v; gate and up), padded columns included."""
+    from nanoinfer.model.cpu_gemm import compact_from_blocks
+
+    rows = 2 * out_features if gated else out_features
+    gen = torch.Generator().manual_seed(rows + in_features)
+    d = (torch.rand(rows, in_features // 32, generator=gen) * 0.02 + 1e-3).half()
+    m = (-torch.rand(rows, in_features // 32, generator=gen) * 0.15).half()
+    q = torch.randint(0, 16, (rows, in_features), generator=gen, dtype=torch.uint8)
+    q.view(rows, -1, 32)[..., :2] = torch.tensor([0, 15], dtype=torch.uint8)  # the fitter's canonical blocks
+    weight = (q.view(rows, -1, 32).float() * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).view(rows, -1)
+    cut = rows // 3
+    pieces = {0: (d[:cut], m[:cut], q[:cut]), cut: (d[cut:], m[cut:], q[cut:])}
+    expected = cpu_ops().pack_q4_panels(weight, gated)
+    assert expected.numel() and torch.equal(compact_from_blocks(pieces, rows, gated), expected)
+    assert compact_from_blocks({0: pieces[0]}, rows, gated) is None  # rows missing: no 4-bit form

@@ -160,28 +160,26 @@ def compact_from_blocks(blocks: dict, num_rows: int, gated: bool) -> torch.Tenso
         return None
     d, m, q = (torch.cat([blocks[o][i] for o in offsets]) for i in range(3))
     num_blocks = d.shape[1]
-    if gated:
+
+    def columns(x: torch.Tensor) -> torch.Tensor:  # rows -> [panels, 16, ...] in panel-column order, zeros past N
+        if not gated:
+            return _pad_rows(x, 16).view(-1, 16, *x.shape[1:])
         half = num_rows // 2
-        panels = -(-half // 8)
-        rows = torch.arange(panels * 8)
-        order = torch.stack([rows.view(panels, 8), (rows + half).view(panels, 8)], 1).reshape(-1)  # gate 8, up 8
-        valid = (rows < half).view(panels, 8).repeat(1, 2).reshape(-1)
-    else:
-        panels = -(-num_rows // 16)
-        order = torch.arange(panels * 16)
-        valid = order < num_rows
-    order = torch.where(valid, order, 0)
-    keep = valid.view(-1, 1)
+        gate, up = (_pad_rows(part, 8).view(-1, 8, *x.shape[1:]) for part in (x[:half], x[half:]))
+        return torch.cat([gate, up], dim=1)
 
-    def columns(x: torch.Tensor) -> torch.Tensor:  # [panels * 16, ...] in panel-column order, zeros past N
-        return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x[order], torch.zeros((), dtype=x.dtype))
-
-    d, m = (columns(t).view(panels, 16, num_blocks).transpose(1, 2).contiguous().view(torch.uint8) for t in (d, m))
+    d, m = (columns(t).transpose(1, 2).contiguous().view(torch.uint8) for t in (d, m))  # [panels, blocks, 32]
+    panels = d.shape[0]
     q = columns(q).view(panels, 16, num_blocks, 16, 2)  # column, block, input pair, (first, second)
     nibbles = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(panels, num_blocks, 256)
     out = cpu_ops().zeros_on_huge_pages([panels, num_blocks, 320], torch.uint8)  # as the C++ packer's
-    torch.cat([d.view(panels, num_blocks, 32), m.view(panels, num_blocks, 32), nibbles], dim=2, out=out)
+    torch.cat([d, m, nibbles], dim=2, out=out)
     return out
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -x.shape[0] % multiple
+    return x if not extra else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
 def pack_compact(weight: torch.Tensor, gated: bool) -> torch.Tensor | None:
