@@ -187,6 +187,22 @@ def q4_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> None:
     """Every tensor of the GGUF into `model` through the layers' weight loaders (names as in HF checkpoints)."""
+    # numpy asks for huge pages on its large arrays; freed, their memory stays in the heap (cpu_ops keeps freed
+    # blocks) and the CPU KV cache would inherit it, which is meant to stay on ordinary pages (model_runner).
+    previous = _set_numpy_huge_pages(False)
+    try:
+        _load_gguf_weights(model, gguf_path, hf_config)
+    finally:
+        _set_numpy_huge_pages(previous)
+
+
+def _set_numpy_huge_pages(enabled: bool) -> bool:
+    multiarray = getattr(np, "_core", None) or np.core
+    setter = getattr(multiarray.multiarray, "_set_madvise_hugepage", None)
+    return setter(enabled) if setter is not None else enabled
+
+
+def _load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> None:
     from gguf import dequantize
 
     from nanoinfer.model.loader import check_complete, target_name
