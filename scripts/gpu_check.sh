@@ -5,8 +5,16 @@
 #   3 pytest        tests/gpu (engine vs transformers on the GPU, CUDA graphs vs eager, planner vs
 #                   allocation) and tests/kernels with the Triton kernels compiled (TRITON_INTERPRET=0)
 #   4 plan-memory   the planner's estimate for the Qwen3-0.6B-shaped bench model on this card
-#   5 bench         nanoinfer vs HF transformers on nano-vllm's workload (256 requests, 100-1024 in/out)
+#   5 decode-variants  the Triton decode attention's variants (tiles, warps, stages, splits), flash-attn and
+#                   FlashInfer when they import, each checked and timed (do_bench, CUDA graphs) against the
+#                   HBM floor for the bench's shapes, bfloat16 and fp8 caches; names the winners
+#                   (benchmarks/tools/decode_variants.py)
+#   6 bench         nanoinfer vs HF transformers on nano-vllm's workload (256 requests, 100-1024 in/out), with
+#                   the roofline: each class of step against its floor (bytes / HBM bandwidth, FLOPs / peak)
+#   7 bench-fp8     the same workload with kv_cache_dtype fp8 (nanoinfer only), when time is left
 # then prints a table (scripts/gpu_check_summary.py). Exits non-zero if any step failed or timed out.
+# For issue 39's checks in one 10-minute call (variants, full bench with its roofline, fp8 bench):
+#   GPU_CHECK_BUDGET_S=540 GPU_CHECK_COMPARE=off GPU_CHECK_SMALL_OPS_AB=off bash scripts/gpu_check.sh
 #
 # Installs nothing from the network. torch, CUDA and Triton must be there already (flash-attn is optional);
 # missing pure-Python dependencies are installed from ./wheels when that folder exists (pip --no-index; on
@@ -27,6 +35,11 @@
 #                       no HF), so the table gives their speed-up from one call; AB_RESERVE_S (75 s) is kept for it.
 #   GPU_CHECK_TESTS     the test paths pytest runs (default: "tests/gpu tests/kernels"), e.g. tests/gpu alone for
 #                       a rerun after the kernel tests passed, leaving the full bench more time
+#   GPU_CHECK_VARIANTS  auto (default) | off: the decode-variants step (capped at VARIANTS_MAX_S, 150 s, and never
+#                       into the small bench's time)
+#   GPU_CHECK_COMPARE   hf (default) | off: off runs the bench without the HF peer (~130 s less on the full workload)
+#   GPU_CHECK_FP8_BENCH auto (default) | off. auto: after a passing bench, its workload once more with
+#                       --kv-cache-dtype fp8 (nanoinfer only) when FP8_BENCH_MIN_S (60 s) are left
 # shellcheck disable=SC2329  # the step_* functions run through `timeout ... bash -c`
 set -u
 
@@ -41,16 +54,22 @@ BENCH_FULL_MIN_S=240
 BENCH_SMALL_MIN_S=90
 SMALL_OPS_AB=${GPU_CHECK_SMALL_OPS_AB:-auto}
 AB_RESERVE_S=75
+VARIANTS=${GPU_CHECK_VARIANTS:-auto}
+VARIANTS_MAX_S=150
+COMPARE=${GPU_CHECK_COMPARE:-hf}
+FP8_BENCH=${GPU_CHECK_FP8_BENCH:-auto}
+FP8_BENCH_MIN_S=60
 SMALL_BENCH=(--num-requests 64 --input-len 100 512 --output-len 100 512)
 mkdir -p "$LOG_DIR" || exit 2
 LOG_DIR=$(cd "$LOG_DIR" && pwd)
 STEPS="$LOG_DIR/steps.tsv"
 # Files of an earlier run would pass for this run's results in the table.
 rm -f "$LOG_DIR"/{steps.tsv,meta.txt,summary.txt,nvidia-smi.csv,imports.json,pytest.xml,plan-memory.json,bench.json}
-rm -f "$LOG_DIR"/{nvidia-smi,imports,pytest,plan-memory,bench,small-ops-ab}.log "$LOG_DIR"/bench-torch-small-ops.json
+rm -f "$LOG_DIR"/{nvidia-smi,imports,pytest,plan-memory,bench,small-ops-ab,decode-variants,bench-fp8}.log
+rm -f "$LOG_DIR"/{bench-torch-small-ops,decode-variants,bench-fp8}.json
 printf 'step\tstatus\trc\tseconds\tlog\tnote\n' >"$STEPS"
 
-export ROOT LOG_DIR PY TESTS
+export ROOT LOG_DIR PY TESTS COMPARE
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1  # no internet there: fail fast
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -208,12 +227,25 @@ step_small_ops_ab() { # the bench's workload flags
 
 step_bench() { # extra flags for the workload
     # The model is the CUDA default, named so that nothing can fall back to a download.
-    "$PY" -m nanoinfer bench --model configs/models/qwen3-0.6b --compare hf --output-json "$LOG_DIR/bench.json" "$@"
+    local peer=(--compare hf)
+    [[ $COMPARE == off ]] && peer=()
+    "$PY" -m nanoinfer bench --model configs/models/qwen3-0.6b ${peer[@]+"${peer[@]}"} \
+        --output-json "$LOG_DIR/bench.json" "$@"
+}
+
+step_bench_fp8() { # the bench's workload flags
+    "$PY" -m nanoinfer bench --model configs/models/qwen3-0.6b --kv-cache-dtype fp8 \
+        --output-json "$LOG_DIR/bench-fp8.json" "$@"
+}
+
+step_decode_variants() {
+    "$PY" "$ROOT/benchmarks/tools/decode_variants.py" --output-json "$LOG_DIR/decode-variants.json"
 }
 
 # shellcheck disable=SC2090
 export IMPORT_CHECK
 export -f step_nvidia_smi step_imports step_pytest step_plan_memory step_bench step_small_ops_ab
+export -f step_bench_fp8 step_decode_variants
 
 run_step nvidia-smi 30 "$LOG_DIR/nvidia-smi.log" "" bash -c step_nvidia_smi
 if run_step imports 120 "$LOG_DIR/imports.log" "" bash -c step_imports; then
@@ -221,6 +253,12 @@ if run_step imports 120 "$LOG_DIR/imports.log" "" bash -c step_imports; then
     run_step pytest "$(limit 210 $((60 + BENCH_SMALL_MIN_S)))" "$LOG_DIR/pytest.log" "" bash -c step_pytest
     run_step plan-memory "$(limit 60)" "$LOG_DIR/plan-memory.log" "" bash -c step_plan_memory
     ab_reserve=$([[ $SMALL_OPS_AB == off ]] && echo 0 || echo "$AB_RESERVE_S")
+    if [[ $VARIANTS == off ]]; then
+        record decode-variants off - 0 "-" "GPU_CHECK_VARIANTS=off"
+    else
+        run_step decode-variants "$(limit "$VARIANTS_MAX_S" $((BENCH_SMALL_MIN_S + ab_reserve)))" \
+            "$LOG_DIR/decode-variants.log" "" bash -c step_decode_variants
+    fi
     left=$(($(seconds_left) - 10 - ab_reserve))
     case $BENCH_MODE in
         full) bench_flags=() note="full workload" ;;
@@ -242,13 +280,22 @@ if run_step imports 120 "$LOG_DIR/imports.log" "" bash -c step_imports; then
         skip_step bench "${left}s left, the small workload needs ${BENCH_SMALL_MIN_S}s"
     else
         if run_step bench "$left" "$LOG_DIR/bench.log" "$note" bash -c 'step_bench "$@"' _ \
-            ${bench_flags[@]+"${bench_flags[@]}"} && [[ $SMALL_OPS_AB != off ]]; then
-            run_step small-ops-ab "$(limit 150)" "$LOG_DIR/small-ops-ab.log" "torch's small ops, same workload" \
-                bash -c 'step_small_ops_ab "$@"' _ ${bench_flags[@]+"${bench_flags[@]}"}
+            ${bench_flags[@]+"${bench_flags[@]}"}; then
+            fp8_left=$(($(seconds_left) - 10 - ab_reserve))
+            if [[ $FP8_BENCH != off ]] && ((fp8_left >= FP8_BENCH_MIN_S)); then
+                run_step bench-fp8 "$(limit 150 "$ab_reserve")" "$LOG_DIR/bench-fp8.log" "fp8 KV cache, same workload" \
+                    bash -c 'step_bench_fp8 "$@"' _ ${bench_flags[@]+"${bench_flags[@]}"}
+            elif [[ $FP8_BENCH != off ]]; then
+                record bench-fp8 off - 0 "-" "${fp8_left}s left, it needs ${FP8_BENCH_MIN_S}s"
+            fi
+            if [[ $SMALL_OPS_AB != off ]]; then
+                run_step small-ops-ab "$(limit 150)" "$LOG_DIR/small-ops-ab.log" "torch's small ops, same workload" \
+                    bash -c 'step_small_ops_ab "$@"' _ ${bench_flags[@]+"${bench_flags[@]}"}
+            fi
         fi
     fi
 else
-    for step in pytest plan-memory bench; do
+    for step in pytest plan-memory decode-variants bench; do
         skip_step "$step" "the imports step failed"
     done
 fi

@@ -163,12 +163,13 @@ def _sync(device: str) -> None:
 
 
 # ---- nanoinfer ------------------------------------------------------------------------------------------
-def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunResult, dict]:
+def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None) -> tuple[RunResult, dict]:
     """Load nanoinfer with `config`, warm up, then time add_request + step() until every request is done.
 
-    Returns the result and facts about the engine (KV-cache plan, threads). Steps that process any prompt
-    tokens (mixed prefill + decode steps included) count as prefill time, pure decode steps as decode time;
-    the rest of the wall time (adding requests, detokenizing) is in `details["other_seconds"]`.
+    Returns the result and facts about the engine (KV-cache plan, threads, the bytes of weights a step reads).
+    Steps that process any prompt tokens (mixed prefill + decode steps included) count as prefill time, pure
+    decode steps as decode time; the rest of the wall time (adding requests, detokenizing) is in
+    `details["other_seconds"]`. on_step, if given, gets each timed step's StepStats (the roofline's input).
     """
     import torch
 
@@ -184,6 +185,10 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunR
     engine_info = {"kv_cache": plan.summary_line(), "num_kvcache_blocks": plan.num_blocks,
                    "torch_threads": torch.get_num_threads(), "ready_since_process_start_s": process_age(),
                    "plan": asdict(plan)}  # where the memory went: weights, activations, graphs  # fmt: skip
+    if config.tensor_parallel_size == 1:  # else rank 0 holds a shard: the roofline counts from the config
+        from nanoinfer.roofline import weights_read_bytes
+
+        engine_info["weights_read_bytes"] = weights_read_bytes(llm.engine.model_runner.model)
     if warmup:
         llm.generate([[0] * WARMUP_PROMPT_LEN], _greedy(SamplingParams, WARMUP_OUTPUT_LEN))
     params = [_greedy(SamplingParams, n) for n in workload.output_lens]
@@ -206,6 +211,8 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True) -> tuple[RunR
         num_draft += stats.num_draft_tokens
         num_accepted += stats.num_accepted_tokens
         outputs += finished
+        if on_step is not None:
+            on_step(stats)
         if ttft is None and (finished or any(seq.num_output_tokens for seq in scheduler.running)):
             ttft = time.perf_counter() - start
     _sync(device)

@@ -58,8 +58,9 @@ class Config:
             cache (twice the tokens in the same memory, less to read per decode step) at the price of
             exact agreement with transformers, fp8 quarters it (fp8 = fp8_e4m3; scale 1, saturating at
             the largest finite value, as vLLM without calibrated scales). Keys and values are rounded
-            once, when stored; attention still computes in float32. float16 is refused on CPU, fp8 on
-            CUDA (for now); flash-attn needs it equal to dtype.
+            once, when stored; attention still computes in float32 (on CUDA: in the model's dtype). float16 is
+            refused on CPU, fp8_e4m3 on CUDA GPUs older than compute capability 8.9 (the Triton kernels');
+            flash-attn needs it equal to dtype.
         attention_backend: auto | torch | triton | flash-attn. triton and flash-attn need CUDA; flash-attn
             needs the flash-attn package and float16/bfloat16. auto picks flash-attn, then triton, then torch.
         seed: global seed for sampling when a request gives none.
@@ -240,13 +241,18 @@ class Config:
         if self.kv_cache_dtype == "fp8":
             self.kv_cache_dtype = "fp8_e4m3"
             self.notes.append(("kv_cache_dtype", "fp8_e4m3", "fp8 = fp8_e4m3 (as in vLLM)"))
-        if self.kv_cache_dtype.startswith("fp8") and self.device == "cuda":
-            return [
-                ConfigProblem(
-                    "kv_cache_dtype", self.kv_cache_dtype, "runs only on the CPU for now (the CUDA kernels read "
-                    "float32, bfloat16 and float16 caches). Use bfloat16 for a half-size cache, or auto.",
-                )
-            ]  # fmt: skip
+        if self.kv_cache_dtype == "fp8_e4m3" and self.device == "cuda" and self.attention_backend in ("auto", "triton"):
+            import torch
+
+            capability = torch.cuda.get_device_capability()
+            if capability < (8, 9):  # Triton's e4m3 type (fp8e4nv) compiles only for sm_89 and newer
+                return [
+                    ConfigProblem(
+                        "kv_cache_dtype", "fp8_e4m3", "needs a GPU of compute capability 8.9 or newer (Ada, Hopper) "
+                        f"for the Triton kernels; this one is {capability[0]}.{capability[1]}. Use fp8_e5m2 or "
+                        "bfloat16, or attention_backend: torch.",
+                    )
+                ]  # fmt: skip
         if self.kv_cache_dtype == "float16" and self.device == "cpu":
             return [
                 ConfigProblem(

@@ -26,28 +26,47 @@ GiB = 1 << 30
 MiB = 1 << 20
 GB = 10**9
 
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A card's vendor figures: memory (decimal GB read literally), HBM/GDDR bandwidth and dense matrix rates.
+
+    bf16_tflops is the dense (no sparsity) tensor-core rate for bfloat16 with float32 accumulation (float16's
+    on cards without bfloat16); fp32_tflops is plain float32 (not TF32), what float32 models run at. None
+    where we have no vendor figure: the roofline then asks for --peak-bandwidth-gbs / --peak-tflops.
+    """
+
+    memory_bytes: int
+    bandwidth_gbs: float | None = None
+    bf16_tflops: float | None = None
+    fp32_tflops: float | None = None
+
+
 # Vendor-advertised device memory, read literally as decimal gigabytes (10**9 bytes). Real cards report
 # a little more (an "80 GB" A100 has 80 GiB = 85.9e9 bytes), so plans from this table err on the safe side.
 # For your card's exact figure pass --gpu-memory with nvidia-smi's total (e.g. 143771MiB) or run on it.
-GPU_TABLE: dict[str, int] = {
-    "H200": 141 * GB,
-    "H100-NVL": 94 * GB,
-    "H100": 80 * GB,
-    "A100-80GB": 80 * GB,
-    "A100-40GB": 40 * GB,
-    "A6000": 48 * GB,
-    "L40S": 48 * GB,
-    "L40": 48 * GB,
-    "A10": 24 * GB,
-    "A10G": 24 * GB,
-    "L4": 24 * GB,
-    "RTX-4090": 24 * GB,
-    "RTX-3090": 24 * GB,
-    "V100-32GB": 32 * GB,
-    "V100-16GB": 16 * GB,
-    "T4": 16 * GB,
-    "RTX-4080": 16 * GB,
-    "RTX-4070-Laptop": 8 * GB,
+# Bandwidth and matrix rates are the datasheets' (SXM forms where a card comes in several, H100 PCIe apart);
+# `nanoinfer bench` sets each step against them.
+GPU_TABLE: dict[str, GpuSpec] = {
+    "H200": GpuSpec(141 * GB, 4800, 989, 67),
+    "H100-NVL": GpuSpec(94 * GB, 3900, 835, 60),
+    "H100": GpuSpec(80 * GB, 3350, 989, 67),
+    "H100-PCIe": GpuSpec(80 * GB, 2000, 756, 51),
+    "A100-80GB": GpuSpec(80 * GB, 2039, 312, 19.5),
+    "A100-40GB": GpuSpec(40 * GB, 1555, 312, 19.5),
+    "A6000": GpuSpec(48 * GB, 768, 155, 38.7),
+    "L40S": GpuSpec(48 * GB, 864, 362, 91.6),
+    "L40": GpuSpec(48 * GB, 864, 181, 90.5),
+    "A10": GpuSpec(24 * GB, 600, 125, 31.2),
+    "A10G": GpuSpec(24 * GB),
+    "L4": GpuSpec(24 * GB, 300, 121, 30.3),
+    "RTX-4090": GpuSpec(24 * GB, 1008, 165, 82.6),
+    "RTX-3090": GpuSpec(24 * GB, 936, 35.6, 35.6),
+    "V100-32GB": GpuSpec(32 * GB, 900, 125, 15.7),
+    "V100-16GB": GpuSpec(16 * GB, 900, 125, 15.7),
+    "T4": GpuSpec(16 * GB, 320, 65, 8.1),
+    "RTX-4080": GpuSpec(16 * GB),
+    "RTX-4070-Laptop": GpuSpec(8 * GB),
 }
 
 _DTYPE_BYTES = {
@@ -67,7 +86,7 @@ def lookup_gpu(name: str) -> tuple[str, int]:
     names = {_normalize_gpu_name(k): k for k in GPU_TABLE}
     key = _normalize_gpu_name(name)
     if key in names:
-        return names[key], GPU_TABLE[names[key]]
+        return names[key], GPU_TABLE[names[key]].memory_bytes
     close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(names[c] for c in close)}?" if close else ""
     raise NanoInferError(
@@ -79,6 +98,25 @@ def lookup_gpu(name: str) -> tuple[str, int]:
 def gpu_memory_bytes(name: str) -> int:
     """Memory of a card from GPU_TABLE (see lookup_gpu)."""
     return lookup_gpu(name)[1]
+
+
+def gpu_spec_for_device(device_name: str, total_bytes: int | None = None) -> tuple[str, GpuSpec] | None:
+    """The GPU_TABLE entry of a CUDA device name as torch reports it ("NVIDIA H100 80GB HBM3",
+    "NVIDIA A100-SXM4-40GB"), or None for a card not in the table.
+
+    An entry matches when every word of its name is a word of the device's ("H100-PCIe" needs both); of
+    several, the one naming most words wins, then the one whose memory is closest to total_bytes."""
+    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
+    candidates = []
+    for name, spec in GPU_TABLE.items():
+        key_words = name.lower().split("-")
+        if all(word in words for word in key_words):
+            memory_gap = abs(spec.memory_bytes - total_bytes) if total_bytes else 0
+            candidates.append((-len(key_words), memory_gap, name))
+    if not candidates:
+        return None
+    name = min(candidates)[2]
+    return name, GPU_TABLE[name]
 
 
 _SIZE_UNITS = {
@@ -416,7 +454,23 @@ def _read_safetensors_header(path: Path) -> dict:
         ) from None
 
 
-def estimate_weights_bytes(hf_config, dtype: torch.dtype | str) -> int:
+@dataclass(frozen=True)
+class DecoderParams:
+    """Parameter counts of a Llama/Qwen-style decoder, from its config (what one rank holds with tp=1)."""
+
+    embedding: int  # vocab_size x hidden_size
+    layer: int  # one decoder layer: projections, their biases, norms
+    layer_matmul: int  # of those, the weights of the matrix multiplies (2 FLOPs each per token)
+    num_layers: int
+    final_norm: int
+    lm_head: int  # vocab_size x hidden_size, 0 when tied to the embedding (no memory of its own)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.num_layers * self.layer + self.final_norm + self.lm_head
+
+
+def decoder_params(hf_config) -> DecoderParams:
     """Parameters of a Llama/Qwen-style decoder from its config: embeddings, layers, final norm, head."""
     hidden, vocab = _get(hf_config, "hidden_size"), _get(hf_config, "vocab_size")
     heads, kv_heads, dim = (
@@ -426,17 +480,22 @@ def estimate_weights_bytes(hf_config, dtype: torch.dtype | str) -> int:
     )
     model_type = _get(hf_config, "model_type", "")
     q_size, kv_size = heads * dim, kv_heads * dim
-    attention = hidden * (q_size + 2 * kv_size) + q_size * hidden
+    matmul = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * _get(hf_config, "intermediate_size")
+    layer = matmul + 2 * hidden  # two RMSNorms
     if _get(hf_config, "attention_bias", model_type == "qwen2"):  # Qwen2 always has q/k/v biases
-        attention += q_size + 2 * kv_size
+        layer += q_size + 2 * kv_size
     if model_type == "qwen3":
-        attention += 2 * dim  # q_norm and k_norm
-    mlp = 3 * hidden * _get(hf_config, "intermediate_size")
-    layer = attention + mlp + 2 * hidden  # two RMSNorms
-    params = vocab * hidden + _get(hf_config, "num_hidden_layers") * layer + hidden
-    if not _get(hf_config, "tie_word_embeddings", False):
-        params += vocab * hidden
-    return params * dtype_bytes(dtype)
+        layer += 2 * dim  # q_norm and k_norm
+    tied = _get(hf_config, "tie_word_embeddings", False)
+    return DecoderParams(
+        embedding=vocab * hidden, layer=layer, layer_matmul=matmul, num_layers=_get(hf_config, "num_hidden_layers"),
+        final_norm=hidden, lm_head=0 if tied else vocab * hidden,
+    )  # fmt: skip
+
+
+def estimate_weights_bytes(hf_config, dtype: torch.dtype | str) -> int:
+    """Bytes of a Llama/Qwen-style decoder's parameters from its config (decoder_params), in `dtype`."""
+    return decoder_params(hf_config).total * dtype_bytes(dtype)
 
 
 def max_sampled_rows(max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int) -> int:

@@ -2,6 +2,7 @@
 random weights for a config-only folder, and the errors a user can fix (exit 2, no traceback)."""
 
 import json
+import math
 import re
 
 import pytest
@@ -89,6 +90,49 @@ def test_bench_counts_exactly_the_requested_tokens_and_writes_the_json_schema(ti
     assert 0 < run["ttft_seconds"] <= run["seconds"]
     assert run["peak_rss_bytes"] > 0 and run["peak_cuda_bytes"] is None
 
+    # The roofline: the same steps by class, every token counted. Each request's prompt is prefilled and each
+    # output token but the last is fed back, so the steps carry input + output - requests tokens, and write the
+    # KV of each. On CPU both ceilings come from the probe (only their sanity is checked, never their speed).
+    assert "Roofline on" in result.output and "% = floor / time" in result.output
+    roofline = report["roofline"]
+    classes = roofline["classes"]
+    assert list(classes)[0] == "prefill" and classes["prefill"]["steps"] == 1
+    assert all(name.startswith("decode ") for name in list(classes)[1:])
+    steps, shape = roofline["all_steps"], roofline["shape"]
+    assert sum(c["steps"] for c in classes.values()) == steps["steps"] == 1 + run["details"]["num_decode_steps"]
+    tokens = workload.num_input_tokens + workload.num_output_tokens - 5
+    assert steps["tokens"] == tokens and steps["kv_write_bytes"] == tokens * shape["kv_bytes_per_token"]
+    assert steps["weights_bytes"] == steps["steps"] * shape["weights_bytes"]
+    assert steps["logits_bytes"] == workload.num_output_tokens * shape["logits_bytes_per_row"]  # one row a token
+    ceilings = roofline["ceilings"]
+    assert ceilings["bandwidth_source"] == ceilings["flops_source"] == "measured (probe)"
+    assert 0 < ceilings["bandwidth_gbs"] < math.inf and 0 < ceilings["tflops"] < math.inf
+    assert 0 < roofline["all_steps"]["floor_seconds"] and 0 < roofline["run"]["of_floor"]
+    assert roofline["all_steps"]["seconds"] == pytest.approx(run["prefill_seconds"] + run["decode_seconds"])
+
+
+def test_roofline_ceilings_from_flags_and_without_the_roofline(tiny_model, tmp_path):
+    """--peak-bandwidth-gbs / --peak-tflops replace the probe (each step's floor is then exact arithmetic on the
+    JSON's counts); --no-roofline leaves the section out."""
+    out = tmp_path / "flags.json"
+    result = bench("--model", tiny_model, *TINY, "--peak-bandwidth-gbs", "2", "--peak-tflops", "0.001",
+                   "--output-json", str(out))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "2.00 GB/s (--peak-bandwidth-gbs), 1.00 GFLOP/s (--peak-tflops)" in result.output
+    roofline = json.loads(out.read_text())["roofline"]
+    assert (roofline["ceilings"]["bandwidth_gbs"], roofline["ceilings"]["tflops"]) == (2.0, 0.001)
+    for totals in (*roofline["classes"].values(), roofline["all_steps"]):
+        assert totals["memory_floor_seconds"] == pytest.approx(totals["bytes"] / 2e9)
+        assert totals["compute_floor_seconds"] == pytest.approx(totals["flops"] / 1e9)
+    prefill = roofline["classes"]["prefill"]  # one step: its floor is the longer of the two
+    assert prefill["floor_seconds"] == pytest.approx(max(prefill["memory_floor_seconds"],
+                                                         prefill["compute_floor_seconds"]))  # fmt: skip
+
+    out = tmp_path / "none.json"
+    result = bench("--model", tiny_model, *TINY, "--no-roofline", "--output-json", str(out))
+    assert result.exit_code == 0 and "Roofline" not in result.output
+    assert json.loads(out.read_text())["roofline"] is None
+
 
 def test_compare_hf_runs_the_same_workload_and_reports_the_ratio(tiny_model, tmp_path):
     out = tmp_path / "compare.json"
@@ -171,6 +215,8 @@ def test_config_only_model_folder_gets_random_weights_once(tmp_path):
         (["--hf-batch-size", "0"], "--hf-batch-size must be at least 1"),
         (["--compare", "hf", "--hf-dtype", "int8"], "--hf-dtype int8 is not a dtype HF runs here"),
         (["--hf-dtype", "float32"], "give it with --compare hf"),
+        (["--peak-tflops", "0"], "--peak-tflops must be a positive number, got 0.0"),
+        (["--peak-bandwidth-gbs", "-5"], "--peak-bandwidth-gbs must be a positive number, got -5.0"),
     ],
 )
 def test_bad_bench_flags_exit_2_with_the_fix(tiny_model, args, message):

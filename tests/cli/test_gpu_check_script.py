@@ -122,7 +122,7 @@ def test_script_without_cuda_stops_after_imports_prints_the_table_and_fails(tmp_
     assert result.returncode == 1, result.stdout + result.stderr
     out = result.stdout
     assert "FAIL" in row(out, "imports") and "torch.cuda.is_available() is False" in row(out, "imports")
-    for step in ("pytest", "plan-memory", "bench"):
+    for step in ("pytest", "plan-memory", "decode-variants", "bench"):
         assert "SKIPPED" in row(out, step) and "the imports step failed" in row(out, step)
     assert "n/a" in row(out, "cuda graphs") and "no CUDA-graph test results" in row(out, "cuda graphs")
     assert out.rstrip().splitlines()[-1] == f"logs: {tmp_path}"  # the table comes last
@@ -262,3 +262,86 @@ def test_script_keeps_time_for_the_small_ops_ab_and_lets_it_be_turned_off():
     text = SCRIPT.read_text()
     assert "NANOINFER_TORCH_SMALL_OPS=1" in text and "GPU_CHECK_SMALL_OPS_AB" in text
     assert "left=$(($(seconds_left) - 10 - ab_reserve))" in text
+
+
+# --- issue 39: the roofline, the decode variants, the fp8 bench ----------------------------------------------
+
+
+def test_script_measures_the_decode_variants_and_an_fp8_bench_and_can_leave_out_the_peer():
+    text = SCRIPT.read_text()
+    assert "benchmarks/tools/decode_variants.py" in text and "GPU_CHECK_VARIANTS" in text
+    assert "--kv-cache-dtype fp8" in text and "GPU_CHECK_FP8_BENCH" in text
+    assert "GPU_CHECK_COMPARE" in text and '[[ $COMPARE == off ]] && peer=()' in text
+    # The variants never eat into the small bench's time (nor the A/B's).
+    assert 'limit "$VARIANTS_MAX_S" $((BENCH_SMALL_MIN_S + ab_reserve))' in text
+
+
+def write_issue_39_logs(log_dir: Path, *, decode_share: float = 0.55) -> None:
+    write_passing_logs(log_dir)
+    with (log_dir / "steps.tsv").open("a") as steps:
+        steps.write("decode-variants\tok\t0\t110\tdecode-variants.log\t\n")
+        steps.write("bench-fp8\tok\t0\t40\tbench-fp8.log\tfp8 KV cache, same workload\n")
+    bench = json.loads((log_dir / "bench.json").read_text())
+    bench["roofline"] = {
+        "ceilings": {"bandwidth_source": "H200 datasheet"},
+        "classes": {"prefill": {"of_floor": 0.4}, "decode 65-128": {"of_floor": 0.5},
+                    "decode 129-256": {"of_floor": decode_share}},
+        "all_steps": {"of_floor": 0.31},
+    }  # fmt: skip
+    (log_dir / "bench.json").write_text(json.dumps(bench))
+    (log_dir / "bench-fp8.json").write_text(json.dumps({"runs": [{"engine": "nanoinfer", "output_tok_s": 15432.1}]}))
+    variants = {
+        "shapes": ["1x512", "256x2048"], "all_ok": True,
+        "winners": {
+            "bfloat16 1x512": {"variant": "splits16", "of_floor": 0.2, "default_of_floor": 0.1},
+            "bfloat16 256x2048": {"variant": "tile128-warps8", "of_floor": 0.74, "default_of_floor": 0.52},
+            "fp8_e4m3 256x2048": {"variant": "default", "of_floor": 0.61, "default_of_floor": 0.61},
+        },
+    }  # fmt: skip
+    (log_dir / "decode-variants.json").write_text(json.dumps(variants))
+
+
+def test_summary_gives_the_roofline_the_variants_winners_and_the_fp8_speed_up(tmp_path):
+    write_issue_39_logs(tmp_path)
+    out = summarize(tmp_path).stdout
+    variants = row(out, "decode-variants")
+    assert "256x2048 best of HBM floor: bfloat16 tile128-warps8 74% (default 52%), fp8_e4m3 default 61%" in variants
+    assert "fp8 cache 15,432 out tok/s vs bf16 12,346: 1.25x" in row(out, "bench-fp8")
+    roofline = row(out, "roofline")
+    assert roofline.split()[1] == "WARN"  # below the issue's 70% at full batch, informational
+    assert "decode 129-256: 55% of floor (target 70%); all steps at 31% of their floor [H200 datasheet]" in roofline
+    assert row(out, "total").split()[1] == "ok"
+
+    write_issue_39_logs(tmp_path, decode_share=0.8)
+    roofline = row(summarize(tmp_path).stdout, "roofline")
+    assert roofline.split()[1] == "ok" and "decode 129-256: 80% of floor; all steps" in roofline
+
+
+def test_summary_says_when_a_variant_did_not_match_and_survives_missing_files(tmp_path):
+    write_issue_39_logs(tmp_path)
+    variants = json.loads((tmp_path / "decode-variants.json").read_text())
+    (tmp_path / "decode-variants.json").write_text(json.dumps({**variants, "all_ok": False}))
+    assert "a variant did not match the default" in row(summarize(tmp_path).stdout, "decode-variants")
+    for name in ("decode-variants.json", "bench-fp8.json"):
+        (tmp_path / name).write_text("{")  # cut off mid-write
+    out = summarize(tmp_path).stdout
+    assert row(out, "decode-variants").split()[1:3] == ["ok", "-"]
+    assert "tok/s" not in row(out, "bench-fp8")
+
+
+def test_decode_variants_tool_runs_its_smoke_check_on_cpu(tmp_path):
+    """The tool's whole path (cache, tables, each variant checked against the default, the table, the winners,
+    the JSON) under Triton's interpreter on tiny shapes; its timings there mean nothing and are not checked."""
+    out = tmp_path / "variants.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/tools/decode_variants.py"), "--smoke",
+                             "--output-json", str(out)], capture_output=True, text=True, env=env,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["schema"] == "nanoinfer-decode-variants/1" and report["all_ok"] is True
+    assert {r["cache"] for r in report["results"]} == {"bfloat16", "fp8_e4m3"}
+    assert {r["variant"] for r in report["results"]} == {"default", "tile32", "by-seq-len-splits8"}
+    assert all(r["ok"] and r["us"] > 0 and r["floor_us"] > 0 for r in report["results"])
+    assert set(report["winners"]) == {"bfloat16 2x300", "fp8_e4m3 2x300"}
+    assert "winner bfloat16 2x300:" in result.stdout

@@ -173,11 +173,11 @@ def test_user_num_kvcache_blocks_is_respected_or_refused():
     )
 
 
-def test_kv_cache_dtype_sizes_the_blocks_and_fp8_is_refused_for_a_gpu():
+def test_kv_cache_dtype_sizes_the_blocks_and_fp8_halves_a_bfloat16_block():
     result, report = plan_json("--model", QWEN3, "--gpu", "H200", "--dtype", "bfloat16", "--kv-cache-dtype", "float32")
     assert result.exit_code == 0 and report["kv_cache_dtype"] == "float32" and report["block_bytes"] == 2 * BLOCK
-    result = plan_memory("--model", QWEN3, "--gpu", "H200", "--kv-cache-dtype", "fp8")
-    assert result.exit_code == 2 and "runs only on the CPU for now" in result.output
+    result, report = plan_json("--model", QWEN3, "--gpu", "H200", "--kv-cache-dtype", "fp8")
+    assert result.exit_code == 0 and report["kv_cache_dtype"] == "fp8_e4m3" and report["block_bytes"] * 2 == BLOCK
     result = plan_memory("--model", QWEN3, "--gpu", "H200", "--kv-cache-dtype", "int8")
     assert result.exit_code == 2 and "must be one of auto, float32, bfloat16, float16, fp8" in result.output
 

@@ -149,6 +149,34 @@ def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(cuda_model_dirs, c
     print(f"bfloat16 {family} {backend}: {num_diverged}/{len(prompts)} sequences diverged within the top-k")
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fp8_kv_cache_is_close_to_a_bfloat16_cache_by_logprobs(cuda_model_dirs, cuda_llm, family, backend):
+    """kv_cache_dtype fp8 (e4m3, scale 1) on CUDA, through CUDA graphs and chunked prefill, against the same
+    model with a bfloat16 cache by vLLM's check_logprobs_close rule. e4m3's 3 mantissa bits move these tiny
+    random models' near-flat logits, so up to half the sequences may differ (first differences in each other's
+    top 5, as the CPU test of the same cache allows); each block is half the bytes."""
+    skip_unless_runnable(backend, "bfloat16")
+    if torch.cuda.get_device_capability() < (8, 9) and backend == "triton":
+        pytest.skip("Triton's e4m3 needs compute capability 8.9 or newer")
+    model_dir = cuda_model_dirs[family]
+    prompts = make_prompts(vocab_size(model_dir))
+    runs, block_bytes = {}, {}
+    for kv_cache_dtype in ("bfloat16", "fp8"):
+        with cuda_llm(model_dir, dtype="bfloat16", attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
+                      **ENGINE_SETTINGS) as llm:  # fmt: skip
+            assert all(t.dtype == (torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.bfloat16)
+                       for pair in llm.engine.model_runner.kv_caches for t in pair)  # fmt: skip
+            outputs = generate(llm, prompts, num_logprobs=NUM_LOGPROBS)
+            runs[kv_cache_dtype] = [(o.token_ids, [{t for t, _ in lp.top} for lp in o.outputs[0].logprobs])
+                                    for o in outputs]  # fmt: skip
+            block_bytes[kv_cache_dtype] = llm.engine.plan.block_bytes
+    num_diverged = check_logprobs_close(runs["fp8"], runs["bfloat16"], ("fp8 cache", "bfloat16 cache"))
+    print(f"fp8 cache {family} {backend}: {num_diverged}/{len(prompts)} sequences diverged within the top-k")
+    assert num_diverged <= len(prompts) // 2
+    assert block_bytes["fp8"] * 2 == block_bytes["bfloat16"]
+
+
 @pytest.mark.parametrize("backend, dtype", [("triton", "float32"), ("triton", "bfloat16"), ("flash-attn", "bfloat16")])
 def test_cuda_graph_decode_matches_eager(cuda_model_dirs, cuda_llm, no_tf32, backend, dtype):
     skip_unless_runnable(backend, dtype)

@@ -1,8 +1,9 @@
 """Every Triton kernel, with the arguments our launchers pass (each dtype pairing the engine uses), compiles for
 an H100/H200 (sm_90) on this GPU-less machine, through the ptxas in Triton's wheel. The interpreter tests
 check what the kernels compute but not that the compiler takes them: a float32 x bfloat16 tl.dot, for one,
-runs in the interpreter and fails to compile (without the widening in paged_attention.py this test fails on
-6 of its 33 launches).
+runs in the interpreter and fails to compile (without the widening in paged_attention.py this test failed on
+6 of its then 33 launches). The launches include the fp8 caches (e4m3 and e5m2 under bfloat16, float16 and
+float32 queries) and the decode variants benchmarks/tools/decode_variants.py measures on a GPU.
 """
 
 import os
@@ -24,4 +25,5 @@ def test_every_kernel_launch_compiles_for_sm90():
     result = subprocess.run([sys.executable, "-m", "nanoinfer.testing.triton_compile", "90"], env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "33 compiled, 0 failed" in result.stdout, result.stdout
+    assert "59 compiled, 0 failed" in result.stdout, result.stdout
+    assert "fp8 e4m3 cache: _store_kvcache_kernel" in result.stdout and "fp8 e5m2 cache: _paged_decode" in result.stdout

@@ -177,16 +177,31 @@ def test_kv_cache_dtype_auto_is_the_model_dtype_and_a_set_one_is_kept(model_dir)
     assert Config(model=model_dir, device="cpu", dtype="bfloat16", kv_cache_dtype="float32").kv_cache_dtype == "float32"
 
 
-def test_fp8_kv_cache_is_e4m3_and_runs_on_the_cpu_only(model_dir, monkeypatch):
+def test_fp8_kv_cache_is_e4m3_and_on_cuda_needs_compute_capability_8_9_for_triton(model_dir, monkeypatch):
+    """The Triton kernels read and write e4m3 (Triton's fp8e4nv compiles for sm_89 and newer only); e5m2, and
+    e4m3 through the torch backend, run on older GPUs too."""
+    from nanoinfer.attention import backend
+
     config = Config(model=model_dir, device="cpu", kv_cache_dtype="fp8")
     assert config.kv_cache_dtype == "fp8_e4m3"
     assert ("kv_cache_dtype", "fp8_e4m3", "fp8 = fp8_e4m3 (as in vLLM)") in config.notes
     assert Config(model=model_dir, device="cpu", kv_cache_dtype="fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the rule itself, without a GPU here
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(backend, "flash_attn_available", lambda: True)  # auto passes it over: the cache differs
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    hopper = Config(model=model_dir, device="cuda", dtype="float16", kv_cache_dtype="fp8")
+    assert (hopper.kv_cache_dtype, hopper.attention_backend) == ("fp8_e4m3", "triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     problem = only_problem(model=model_dir, device="cuda", dtype="float16", kv_cache_dtype="fp8")
     assert (problem.field, problem.value) == ("kv_cache_dtype", "fp8_e4m3")
-    assert "runs only on the CPU for now" in problem.message and "Use bfloat16" in problem.message
+    assert "compute capability 8.9 or newer" in problem.message and "this one is 8.0" in problem.message
+    assert "Use fp8_e5m2 or bfloat16, or attention_backend: torch" in problem.message
+    e5m2 = Config(model=model_dir, device="cuda", dtype="float16", kv_cache_dtype="fp8_e5m2")
+    assert e5m2.kv_cache_dtype == "fp8_e5m2"
+    forced = Config(model=model_dir, device="cuda", dtype="float16", kv_cache_dtype="fp8", attention_backend="torch")
+    assert forced.kv_cache_dtype == "fp8_e4m3"
 
 
 def test_flash_attn_refuses_a_cache_in_another_dtype_and_auto_passes_it_over(monkeypatch):

@@ -7,6 +7,7 @@ Picks the defaults by device, builds the Config (flag > YAML > default) and rend
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Annotated
@@ -47,6 +48,7 @@ CUDA_DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "m
 COMPARE_CHOICES = ("hf",)
 HF_DTYPES = ("float32", "bfloat16", "float16")
 _WORKLOAD = "Workload"
+_ROOFLINE = "Roofline"
 
 
 @app.command("bench")
@@ -85,6 +87,21 @@ def bench(
     ] = None,
     output_json: Annotated[Path | None, typer.Option(help="Write every number and machine facts here.")] = None,
     warmup: Annotated[bool, typer.Option(help="One short untimed generate per engine first.")] = True,
+    roofline: Annotated[
+        bool,
+        typer.Option(help="Set each class of step against the device's floor (bytes and FLOPs vs ceilings).",
+                     rich_help_panel=_ROOFLINE),
+    ] = True,
+    peak_bandwidth_gbs: Annotated[
+        float | None,
+        typer.Option(help="Memory bandwidth in GB/s for the roofline (default: the GPU table, or a probe on CPU).",
+                     rich_help_panel=_ROOFLINE),
+    ] = None,
+    peak_tflops: Annotated[
+        float | None,
+        typer.Option(help="Dense matrix rate in TFLOP/s for the roofline (default: the GPU table, or a probe).",
+                     rich_help_panel=_ROOFLINE),
+    ] = None,
     dtype: DtypeFlag = None,
     kv_cache_dtype: KvCacheDtypeFlag = None,
     device: DeviceFlag = None,
@@ -111,6 +128,11 @@ def bench(
     random weights; on CPU the built-in default model and 64 requests, 32-256 in and out.
 
     Throughput = requested output tokens / wall time (model load and a short warm-up excluded).
+
+    The roofline table sets the prefill steps and the decode steps (by batch size) against their floor: the
+    bytes each step must move (weights once, KV cache read and written, logits) over the memory bandwidth, or
+    its FLOPs over the matrix rate, whichever is longer. Ceilings: a table of known GPUs, a short probe on
+    CPU, or --peak-bandwidth-gbs / --peak-tflops.
 
     --compare hf runs Hugging Face transformers' batched generate on the same requests in the same process
     (left-padded; each batch generates its longest output length, only requested tokens count).
@@ -151,6 +173,9 @@ def bench(
             )
         if hf_dtype is not None and compare != "hf":
             raise NanoInferError("--hf-dtype sets the dtype of the HF peer: give it with --compare hf.")
+        for flag, value in (("--peak-bandwidth-gbs", peak_bandwidth_gbs), ("--peak-tflops", peak_tflops)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise NanoInferError(f"{flag} must be a positive number, got {value}.")
     console = Console(highlight=False, soft_wrap=True)
     for note in notes:
         console.print(f"note: {note}", markup=False)
@@ -164,8 +189,11 @@ def bench(
     model_dir, dtype_name, device_name = cfg.model, cfg.dtype, cfg.device
     with user_errors():
         console.print("running nanoinfer ...", markup=False)
-        ours, engine_info = bench_lib.run_nanoinfer(cfg, workload, warmup=warmup)
+        steps = []
+        ours, engine_info = bench_lib.run_nanoinfer(cfg, workload, warmup=warmup, on_step=steps.append)
         console.print(engine_info["kv_cache"], markup=False)
+        # After the timed run: the CPU probe's buffers would count in its peak memory.
+        floor = _roofline(cfg, engine_info, steps, peak_bandwidth_gbs, peak_tflops) if roofline else None
         runs = [ours]
         if compare == "hf":
             console.print("running HF transformers generate ...", markup=False)
@@ -176,6 +204,8 @@ def bench(
             runs.append(hf)
     ratio = _ratio(runs)
     _render(console, runs, ratio)
+    if floor is not None:
+        _render_roofline(console, floor, ours.seconds)
     if output_json is not None:
         report = {
             "schema": bench_lib.SCHEMA,
@@ -189,6 +219,7 @@ def bench(
             "startup_to_first_token_s": _startup(engine_info, ours),
             "runs": [run.to_dict() for run in runs],
             "ratio": ratio,
+            "roofline": floor.to_dict(wall_seconds=ours.seconds) if floor is not None else None,
         }
         output_json.parent.mkdir(parents=True, exist_ok=True)
         output_json.write_text(json.dumps(report, indent=2) + "\n")
@@ -320,3 +351,58 @@ def _render(console: Console, runs, ratio: dict | None) -> None:
             "tokens are counted.",
             markup=False, highlight=False,
         )  # fmt: skip
+
+
+def _roofline(cfg, engine_info: dict, steps: list, bandwidth_gbs: float | None, tflops: float | None):
+    """The timed run's steps against the device's ceilings (nanoinfer.roofline)."""
+    from nanoinfer import roofline
+
+    shape = roofline.ModelShape.from_hf_config(cfg.hf_config, cfg.dtype, cfg.kv_cache_dtype,
+                                               cfg.tensor_parallel_size, engine_info.get("weights_read_bytes"))
+    ceilings = roofline.device_ceilings(cfg.device, cfg.dtype, bandwidth_gbs=bandwidth_gbs, tflops=tflops,
+                                        tensor_parallel_size=cfg.tensor_parallel_size)  # fmt: skip
+    floor = roofline.Roofline(shape, ceilings)
+    for stats in steps:
+        floor.add(stats)
+    return floor
+
+
+def _render_roofline(console: Console, floor, wall_seconds: float) -> None:
+    ceilings, shape = floor.ceilings, floor.shape
+    console.print(
+        f"Roofline on {ceilings.device}: {_si(ceilings.bandwidth, 'B/s')} ({ceilings.bandwidth_source}), "
+        f"{_si(ceilings.flops, 'FLOP/s')} ({ceilings.flops_source}); a step reads {_si(shape.weights_bytes, 'B')} "
+        f"of weights, KV is {shape.kv_bytes_per_token:,} bytes a token",
+        markup=False,
+    )
+    table = Table(title="Roofline: floor = max(bytes / bandwidth, FLOPs / peak), step by step; % = floor / time",
+                  title_justify="left")  # fmt: skip
+    for name in ("step class", "steps", "time", "floor", "floor / time", "bound", "moved", "KV read", "FLOPs"):
+        table.add_column(name, justify="left" if name in ("step class", "bound") else "right", no_wrap=True)
+
+    def cells(totals) -> list[str]:
+        share = f"{totals.of_floor:.0%}" if totals.of_floor is not None else "-"
+        cost = totals.cost
+        return [f"{totals.steps:,}", _si(totals.seconds, "s"), _si(totals.floor_seconds, "s"), share, totals.bound,
+                _si(cost.total_bytes, "B"), _si(cost.kv_read_bytes, "B"), _si(cost.flops, "")]  # fmt: skip
+
+    for name, totals in floor.ordered_classes():
+        table.add_row(name, *cells(totals))
+    table.add_row("all steps", *cells(floor.all_steps), style="bold")
+    run_share = f"{floor.all_steps.floor_seconds / wall_seconds:.0%}" if wall_seconds > 0 else "-"
+    table.add_row("run (wall time)", "", _si(wall_seconds, "s"), _si(floor.all_steps.floor_seconds, "s"), run_share,
+                  "", "", "", "")  # fmt: skip
+    console.print(table)
+
+
+def _si(value: float, unit: str) -> str:
+    """3 significant digits with an SI prefix: 1.19 GB, 512 kB, 10.5 ms, 4.80 TB/s, 2.41 T (FLOPs)."""
+    if value == 0:
+        return f"0 {unit}".rstrip()
+    prefixes = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""), (1e-3, "m"), (1e-6, "u"), (1e-9, "n")]
+    scale, prefix = next(((s, p) for s, p in prefixes if abs(value) >= s), prefixes[-1])
+    if unit == "s" and scale > 1:
+        scale, prefix = 1, ""  # 234 s, not 0.234 ks
+    scaled = value / scale
+    digits = 0 if abs(scaled) >= 100 else 1 if abs(scaled) >= 10 else 2
+    return f"{scaled:,.{digits}f} {prefix}{unit}".rstrip()

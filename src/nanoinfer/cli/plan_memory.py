@@ -114,6 +114,9 @@ def _settings(flags: dict, config_path: Path | None) -> dict:
         notes.append("dtype auto = bfloat16 (as on CUDA)")
     if values["kv_cache_dtype"] == "auto":
         values["kv_cache_dtype"] = values["dtype"]
+    elif values["kv_cache_dtype"] == "fp8":
+        values["kv_cache_dtype"] = "fp8_e4m3"
+        notes.append("kv_cache_dtype fp8 = fp8_e4m3 (as in vLLM)")
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if isinstance(max_pos, int) and values["max_model_len"] > max_pos:
         notes.append(
@@ -153,8 +156,6 @@ def _check(values: dict, hf_config) -> None:
     kv_cache_dtype = values["kv_cache_dtype"]
     known = kv_cache_dtype in KV_CACHE_DTYPES[1:]
     need("kv_cache_dtype", known, f"must be one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype).")
-    if known and kv_cache_dtype.startswith("fp8"):
-        need("kv_cache_dtype", False, "runs only on the CPU for now, and this plans GPU memory. Use bfloat16 or auto.")
     for field in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         need(field, values[field] >= 1, "must be a positive integer.")
     if values["max_num_seqs"] >= 1:

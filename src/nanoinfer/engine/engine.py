@@ -32,6 +32,11 @@ class StepStats:
     seconds: float
     num_draft_tokens: int = 0  # tokens proposed by n-gram speculation this step
     num_accepted_tokens: int = 0  # of those, the ones the model confirmed
+    # What the step read and computed, for bench's roofline (nanoinfer/roofline.py):
+    num_seqs: int = 0
+    num_context_tokens: int = 0  # KV-cache tokens attention read: each sequence's context up to this step's end
+    num_attention_pairs: int = 0  # causal (query, key) pairs: over the step's tokens, their position + 1
+    num_logits_rows: int = 0  # rows the LM head ran on
 
 
 class LLMEngine:
@@ -72,14 +77,14 @@ class LLMEngine:
             # Nothing to run but grammars still compiling: wait for one instead of spinning against the compiler.
             futures.wait(self.scheduler.pending_grammars(), timeout=0.05, return_when=futures.FIRST_COMPLETED)
         sampled = self.model_runner.execute(out) if not out.is_empty else {}
-        num_prefill = sum(n for seq, n in out.scheduled if not _is_decode(seq, n))
+        num_prefill, shape = _count_step(out.scheduled)
         num_decode = out.num_scheduled_tokens - num_prefill
         scheduler = self.scheduler
         drafts_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
         finished = scheduler.update(out, sampled)
         return finished, StepStats(
             num_prefill, num_decode, out.num_preempted, time.perf_counter() - start,
-            scheduler.num_draft_tokens - drafts_before[0], scheduler.num_accepted_tokens - drafts_before[1],
+            scheduler.num_draft_tokens - drafts_before[0], scheduler.num_accepted_tokens - drafts_before[1], *shape,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -98,6 +103,23 @@ def _is_decode(seq: Sequence, num_new: int) -> bool:
     # A speculated sequence is decoding, even when its last token is still the prompt's.
     decoding = seq.num_computed_tokens >= seq.num_prompt_tokens or bool(seq.spec_token_ids)
     return decoding and num_new == 1 + len(seq.spec_token_ids)
+
+
+def _count_step(scheduled) -> tuple[int, tuple[int, int, int, int]]:
+    """(prefill tokens, (sequences, context tokens, attention pairs, logits rows)) of a step, before update().
+
+    One loop, as the prefill count alone had: it runs on every step. A speculated sequence's rows are each
+    sampled; any other sequence has one row when this step reaches its last token."""
+    num_prefill = num_context = num_pairs = num_rows = 0
+    for seq, num_new in scheduled:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        if not _is_decode(seq, num_new):
+            num_prefill += num_new
+        num_context += end
+        num_pairs += (end * (end + 1) - start * (start + 1)) // 2  # sum of (position + 1) over start..end-1
+        num_rows += num_new if seq.spec_token_ids else end == seq.num_tokens
+    return num_prefill, (len(scheduled), num_context, num_pairs, num_rows)
 
 
 def _make_proposer(config: Config) -> NgramProposer | None:

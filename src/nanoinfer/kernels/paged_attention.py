@@ -7,6 +7,11 @@ Two kernels share one inner loop (online softmax over key tiles read through the
 - prefill (any query_len, cached prefix + new tokens, causal): one program per (sequence, query tile, KV
   head); a tile's rows are (token, query head of the group) pairs, so each key tile is read once per group.
 Accumulation is float32; softmax runs in base 2 (exp2) with the scale folded into log2(e).
+
+The cache may be fp8 (e4m3 or e5m2, scale 1: kernels/store_kvcache.py writes it): keys and values are
+widened to the query's dtype as they are loaded (exactly: fp8 values are bfloat16 and float16 values).
+The decode launcher's keywords tile_n, num_splits, split_by_seq_len, num_warps and num_stages pick the variant
+scripts/gpu_check.sh measures (benchmarks/tools/decode_variants.py); None keeps the default.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import triton.language as tl
 
 _LOG2_E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CACHE_DTYPES = _DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)  # fp8: kv_cache_dtype fp8_e4m3 / fp8_e5m2
 _TILE_N = 64  # keys per inner tile; must divide the block size, so a tile never crosses a block
 _MIN_PARTITION_TILES = 4  # a decode split covers at least 4 tiles (256 keys): below that the merge costs more
 
@@ -73,6 +79,13 @@ def _attend_kv_range(
 
 
 @triton.jit
+def _seq_partition_size(seq_len, num_splits, TILE_N: tl.constexpr):
+    """Keys per split when a sequence's context is shared evenly by num_splits programs, in whole tiles (at
+    least one, so an empty context divides by TILE_N, not 0)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits), 1) * TILE_N
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr, split_out_ptr, split_lse_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
@@ -81,11 +94,14 @@ def _paged_decode_kernel(
     num_queries_per_kv, block_size, partition_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, TILE_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr,
+    SPLIT_BY_SEQ_LEN: tl.constexpr,  # partitions from this sequence's length, not the longest one's
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLIT_BY_SEQ_LEN:
+        partition_size = _seq_partition_size(seq_len, tl.num_programs(2), TILE_N)
     kv_start = split * partition_size
     # Nested, not `and`: IS_SPLIT is resolved at compile time and the inner test at run time.
     if IS_SPLIT:  # noqa: SIM102
@@ -126,12 +142,14 @@ def _paged_decode_kernel(
 def _merge_splits_kernel(
     out_ptr, split_out_ptr, split_lse_ptr, seq_lens_ptr,
     stride_out_token, stride_out_head, stride_split_seq, stride_split_head, stride_split_idx,
-    partition_size,
-    HEAD_DIM: tl.constexpr,
+    partition_size, max_splits,
+    HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BY_SEQ_LEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLIT_BY_SEQ_LEN:
+        partition_size = _seq_partition_size(seq_len, max_splits, TILE_N)
     num_splits = tl.cdiv(seq_len, partition_size)
     offs_d = tl.arange(0, HEAD_DIM)
     base = seq.to(tl.int64) * stride_split_seq + head * stride_split_head
@@ -207,6 +225,11 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
+    *,
+    tile_n: int | None = None,
+    split_by_seq_len: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [num_seqs, H_q, D], over its seq_len cached keys.
 
@@ -214,11 +237,20 @@ def paged_decode_attention(
     combines the splits. num_splits=None picks enough splits to fill the device. The grid depends only on
     num_seqs and max_seq_len, so a CUDA graph captured with max_seq_len = max_model_len serves any length.
     Returns [num_seqs, H_q, D] in query's dtype.
+
+    Variants (same results, for measuring; None / False is the default): tile_n keys per inner tile (a power
+    of two >= 16 dividing the block size); split_by_seq_len shares each sequence's own context evenly over the
+    num_splits programs instead of cutting every context at multiples of max_seq_len / num_splits (which
+    leaves a short sequence's later splits empty); num_warps and num_stages are Triton's launch options.
     """
     num_seqs, num_heads, head_dim = query.shape
     _check_common("paged_decode_attention", query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    tile_n = _tile_size(block_size)
+    if tile_n is None:
+        tile_n = _tile_size(block_size)
+    _require(tile_n >= 16 and tile_n & (tile_n - 1) == 0 and block_size % tile_n == 0,
+             f"tile_n {tile_n} must be a power of two >= 16 dividing the block size {block_size}",
+             "paged_decode_attention")  # fmt: skip
     max_seq_len = max(int(max_seq_len), 1)
     num_tiles = triton.cdiv(max_seq_len, tile_n)
     if num_splits is None:
@@ -237,6 +269,8 @@ def paged_decode_attention(
         split_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         split_out = split_lse = out  # unused by the kernel; any tensor keeps the signature
+    by_seq_len = bool(split_by_seq_len) and is_split
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     group = num_heads // num_kv_heads
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, split_out, split_lse, query, k_cache, v_cache, block_tables, seq_lens,
@@ -246,13 +280,13 @@ def paged_decode_attention(
         group, block_size, partition_size, scale * _LOG2_E,
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), TILE_N=tile_n,
         IS_SPLIT=is_split, UPCAST=_needs_upcast(query, k_cache), DOT_PRECISION=_dot_precision(query),
-        MIXED=query.dtype != k_cache.dtype,
+        MIXED=query.dtype != k_cache.dtype, SPLIT_BY_SEQ_LEN=by_seq_len, **launch,
     )
     if is_split:
         _merge_splits_kernel[(num_seqs, num_heads)](
             out, split_out, split_lse, seq_lens,
             out.stride(0), out.stride(1), num_heads * num_splits * head_dim, num_splits * head_dim, head_dim,
-            partition_size, HEAD_DIM=head_dim,
+            partition_size, num_splits, HEAD_DIM=head_dim, TILE_N=tile_n, SPLIT_BY_SEQ_LEN=by_seq_len,
         )
     return out
 
@@ -332,9 +366,10 @@ def _check_common(
         f"k/v cache strides {k_cache.stride()}, {v_cache.stride()}: must match, last dim contiguous", caller,
     )
     _require(
-        query.dtype in _DTYPES and k_cache.dtype in _DTYPES and v_cache.dtype == k_cache.dtype,
-        f"query/k_cache/v_cache dtypes {query.dtype}/{k_cache.dtype}/{v_cache.dtype}: each must be one of "
-        "float32, float16, bfloat16, the two caches alike (the query's may differ: kv_cache_dtype)", caller,
+        query.dtype in _DTYPES and k_cache.dtype in _CACHE_DTYPES and v_cache.dtype == k_cache.dtype,
+        f"query/k_cache/v_cache dtypes {query.dtype}/{k_cache.dtype}/{v_cache.dtype}: the query's must be one of "
+        "float32, float16, bfloat16, the caches' one of those or fp8 (e4m3fn, e5m2), the two caches alike (the "
+        "query's may differ: kv_cache_dtype)", caller,
     )
     _require(
         block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-          torch.int64: "i64"}  # fmt: skip
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}  # fmt: skip
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")  # launch keywords that are compiler options, not arguments
 
 
 class _Recorder:
@@ -93,7 +94,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
 def _cases() -> dict[str, Callable[[], None]]:
     from nanoinfer.kernels import fused_ops, paged_decode_attention, paged_prefill_attention, store_kvcache
 
-    def attention(dtype, cache_dtype, head_dim=128, group=2):
+    def attention(dtype, cache_dtype, head_dim=128, group=2, variants=False):
         def run():
             num_kv, block = 2, 256
             q = torch.zeros(3, num_kv * group, head_dim, dtype=dtype)
@@ -102,6 +103,11 @@ def _cases() -> dict[str, Callable[[], None]]:
             lens = torch.tensor([1, 300, 900], dtype=torch.int32)
             paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=1)
             paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=4)
+            if variants:  # the decode variants benchmarks/tools/decode_variants.py measures on a GPU
+                for tile_n, warps, stages in ((32, 2, 2), (128, 8, 3), (256, 8, 2)):
+                    paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=1, tile_n=tile_n,
+                                           num_warps=warps, num_stages=stages)  # fmt: skip
+                paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=4, split_by_seq_len=True)
             starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
             paged_prefill_attention(q, cache, cache, tables, lens, starts, 1, 0.1)
             key = torch.zeros(3, num_kv, head_dim, dtype=dtype)
@@ -125,7 +131,11 @@ def _cases() -> dict[str, Callable[[], None]]:
         return run
 
     return {
-        "attention bf16": attention(torch.bfloat16, torch.bfloat16),
+        "attention bf16": attention(torch.bfloat16, torch.bfloat16, variants=True),
+        "attention bf16 over an fp8 e4m3 cache": attention(torch.bfloat16, torch.float8_e4m3fn, variants=True),
+        "attention fp16 over an fp8 e4m3 cache": attention(torch.float16, torch.float8_e4m3fn),
+        "attention bf16 over an fp8 e5m2 cache": attention(torch.bfloat16, torch.float8_e5m2),
+        "attention fp32 over an fp8 e4m3 cache": attention(torch.float32, torch.float8_e4m3fn),
         "attention fp16 head_dim 64, GQA 4": attention(torch.float16, torch.float16, head_dim=64, group=4),
         "attention fp32": attention(torch.float32, torch.float32),
         "attention fp32 over a bf16 cache": attention(torch.float32, torch.bfloat16),
@@ -148,12 +158,14 @@ def compile_all(arch: int = 90) -> list[tuple[str, str, str | None, str]]:
     results, seen = [], set()
     for case, kernel, args, kwargs in record_launches():
         signature, constexprs = signature_of(kernel, args, kwargs)
-        key = (kernel.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())))
+        options = {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs}
+        key = (kernel.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())),
+               tuple(sorted(options.items())))  # fmt: skip
         if key in seen:
             continue
         seen.add(key)
         try:
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target)
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)
         except Exception as e:  # report every kernel, not only the first failure
             results.append((case, kernel.fn.__name__, f"{type(e).__name__}: {e}", ""))
             continue
