@@ -2,7 +2,7 @@
 
 Knows nothing about models or the engine: it parses and checks lines (nanoinfer's own format and the
 OpenAI batch format), builds output records, writes them crash-safely and keeps the resume manifest.
-Tokenizing and running the requests is `cli/generate.py`'s job.
+Tokenizing and running the requests is `line_runner.py`'s job.
 """
 
 from __future__ import annotations
@@ -144,16 +144,17 @@ class LineTooLong:
         self.num_bytes = num_bytes
 
 
-def iter_lines(stream: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
-    """Lazily yield (line number from 1, raw bytes or LineTooLong) for each non-blank line.
+def iter_lines(stream: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES,
+               first_line: int = 1) -> Iterator[tuple[int, bytes]]:
+    """Lazily yield (line number from first_line, raw bytes or LineTooLong) for each non-blank line.
 
     A file object is read with a bounded readline, so one huge line costs at most max_line_bytes of memory.
     """
-    for number, raw in enumerate(_bounded_lines(stream, max_line_bytes), start=1):
+    for number, raw in enumerate(_bounded_lines(stream, max_line_bytes), start=first_line):
         if isinstance(raw, LineTooLong):
             yield number, raw
             continue
-        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        if number == first_line and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]  # a UTF-8 byte order mark, as some editors write
         if raw.strip():
             yield number, raw
@@ -193,17 +194,18 @@ class BatchReader:
     """
 
     def __init__(self, stream: Iterable[bytes], defaults: dict, done_lines: set[int] = frozenset(),
-                 max_line_bytes: int = MAX_LINE_BYTES):
+                 max_line_bytes: int = MAX_LINE_BYTES, first_line: int = 1):
         self.stream = stream
         self.defaults = defaults
         self.done_lines = done_lines
         self.max_line_bytes = max_line_bytes
+        self.first_line = first_line  # the number of the stream's first line (Ray Data numbers rows across batches)
         self.num_skipped = 0
         self._ids: set[str] = set()
         self._last_kind = NATIVE  # an unreadable line is answered in the format of the lines before it
 
     def __iter__(self) -> Iterator[BatchRequest | LineError]:
-        for number, raw in iter_lines(self.stream, self.max_line_bytes):
+        for number, raw in iter_lines(self.stream, self.max_line_bytes, self.first_line):
             item = self._parse(number, raw)
             if number in self.done_lines:
                 self.num_skipped += 1

@@ -67,6 +67,10 @@ class OutOfMemoryError(NanoInferError):
     """The KV cache cannot be sized to hold what the config asks for."""
 
 
+class ReplicaError(NanoInferError):
+    """--data-parallel-size: Ray is missing or unreachable, the cluster cannot hold the replicas, or none is left."""
+
+
 class OutputWriteError(NanoInferError):
     """The output cannot take more records (disk full, I/O error, closed stdout); `errno` says which."""
 

@@ -54,6 +54,8 @@ class JobProgress:
         self.num_preempted = 0
         self.num_draft_tokens = 0  # n-gram speculation: tokens proposed, and the ones the model kept
         self.num_accepted_tokens = 0
+        self.num_replica_failures = 0  # --data-parallel-size: replicas that died mid-job
+        self.num_retries = 0  # lines sent to another replica after the one running them died
         self.start = time.monotonic()
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prefill tokens, decode tokens)
         self._last_log = self.start
@@ -106,6 +108,10 @@ class JobProgress:
             self._window.popleft()
         self._tick(now)
 
+    def on_replica_failure(self, num_retried_lines: int) -> None:
+        self.num_replica_failures += 1
+        self.num_retries += num_retried_lines
+
     def on_record(self, usage: dict | None, is_error: bool) -> None:
         self.num_done += 1
         self.num_errors += is_error
@@ -145,6 +151,8 @@ class JobProgress:
             "preemptions": self.num_preempted,
             "speculative_tokens_proposed": self.num_draft_tokens,
             "speculative_tokens_kept": self.num_accepted_tokens,
+            "replica_failures": self.num_replica_failures,
+            "retries": self.num_retries,
             "seconds": round(elapsed, 3),
             "requests_per_s": round(self.num_done / elapsed, 3) if elapsed > 0 else None,
             "output_tokens_per_s": round(self.output_tokens / elapsed, 2) if elapsed > 0 else None,
@@ -156,9 +164,14 @@ class JobProgress:
         rate = s["output_tokens_per_s"] or 0.0
         proposed, kept = s["speculative_tokens_proposed"], s["speculative_tokens_kept"]
         speculation = f"; speculation kept {kept:,} of {proposed:,} proposed tokens" if proposed else ""
+        failures = s["replica_failures"]
+        retries = (
+            f"; {failures} replica failure{'s' * (failures != 1)}, {s['retries']} lines retried" if failures else ""
+        )
         return (
             f"{s['requests']} requests{skipped}, {s['errors']} errors; {s['prompt_tokens']} prompt tokens, "
             f"{s['output_tokens']} output tokens in {s['seconds']:.1f} s ({rate:.1f} output tok/s){speculation}"
+            f"{retries}"
         )
 
     def log_line(self) -> str:

@@ -45,7 +45,8 @@ from nanoinfer.cli.check_config import (
     TensorParallelSizeFlag,
     TrustRemoteCodeFlag,
 )
-from nanoinfer.errors import BatchFileError, NanoInferError, OutputWriteError, RequestError
+from nanoinfer.errors import BatchFileError, NanoInferError, OutputWriteError, ReplicaError, RequestError
+from nanoinfer.line_runner import FinishedLine, LineRunner
 from nanoinfer.progress import JobProgress
 
 logger = logging.getLogger("nanoinfer")
@@ -55,6 +56,7 @@ EXIT_OUTPUT_FAILED = 74  # sysexits' EX_IOERR: the output could not take more re
 EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, what a Unix tool killed by a closed pipe exits with
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _SAMPLING = "Sampling defaults (a line's own fields win)"
+_RAY = "Many machines (Ray)"
 
 
 def _opt(*names: str, help: str, panel: str | None = None):
@@ -205,7 +207,8 @@ def generate(
         int | None,
         typer.Option(
             "--max-in-flight",
-            help=f"Most requests in the engine at once (default 4 x max_num_seqs, at most {MAX_IN_FLIGHT_CAP}).",
+            help=f"Most requests in the engine (in each replica) at once (default 4 x max_num_seqs, at most "
+            f"{MAX_IN_FLIGHT_CAP}).",
         ),
     ] = None,
     max_line_bytes: Annotated[
@@ -215,6 +218,16 @@ def generate(
     log_level: Annotated[
         str | None,
         typer.Option("--log-level", help=f"Log to stderr at this level: {', '.join(_LOG_LEVELS)}."),
+    ] = None,
+    data_parallel_size: Annotated[
+        int,
+        _opt("--data-parallel-size", help="Engine replicas, each with all the settings above, run as Ray actors "
+             "(pip install 'nanoinfer\\[ray]'); 1: one engine in this process.", panel=_RAY),
+    ] = 1,
+    ray_address: Annotated[
+        str | None,
+        _opt("--ray-address", help="Run the replicas on this Ray cluster (auto: the one `ray start` runs "
+             "here; HOST:PORT: its head) instead of a local Ray instance started for the job.", panel=_RAY),
     ] = None,
 ):
     """Generate a completion for every line of a JSONL file, writing one JSONL record per line.
@@ -233,6 +246,9 @@ def generate(
     kept, a torn last line is cut, the rest is generated. Exit codes: 0 done (even if some lines had
     errors), 2 bad files or config (before any model loads), 74 the output could not be written (disk
     full, I/O error: free space and --resume), 141 stdout was closed (e.g. | head), 130/143 interrupted.
+
+    Many machines: --data-parallel-size N runs N engine replicas on Ray, with the same records and the same
+    --resume (also with another N); a replica that dies has its lines retried on the others.
     """
     overrides = {
         "model": model,
@@ -276,16 +292,24 @@ def generate(
     }
     stopper = Stopper()
     stopper.install()
+    replicas = None
     try:
         with user_errors():
             _configure_logging(log_level)
+            ray_replicas = _ray_replicas(data_parallel_size, ray_address)
             job = prepare_job(input, output, config, overrides, flags, resume, overwrite, max_in_flight)
             if max_line_bytes < 1:
                 raise BatchFileError(f"--max-line-bytes must be >= 1, got {max_line_bytes}.")
             job.max_line_bytes = max_line_bytes
-            llm = load_llm(job.config)
+            if ray_replicas is None:
+                llm, loop = load_llm(job.config), stream_requests
+            else:
+                llm = replicas = ray_replicas.ReplicaPool(job.config, data_parallel_size, ray_address, notify=_note)
+                loop = ray_replicas.stream_requests
+                if not quiet:
+                    _note(f"nanoinfer generate: started {replicas.description} on Ray")
         try:
-            code = run_job(job, llm, stopper, quiet=quiet, json_output=json_output)
+            code = run_job(job, llm, stopper, quiet=quiet, json_output=json_output, loop=loop)
         except NanoInferError as e:
             # Mid-run failure (e.g. a tensor-parallel worker died): finished records are on disk.
             err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
@@ -296,9 +320,29 @@ def generate(
         code = stopper.exit_code if stopper.signum else 130
         err_console.print("nanoinfer generate: interrupted before generation started; nothing was written.")
     finally:
+        if replicas is not None:
+            replicas.close()
         stopper.restore()
     if code:
         raise typer.Exit(code=code)
+
+
+def _ray_replicas(data_parallel_size: int, ray_address: str | None):
+    """The Ray replicas module when the job runs on Ray (--data-parallel-size > 1 or --ray-address), else None."""
+    if data_parallel_size < 1:
+        raise BatchFileError(f"--data-parallel-size must be >= 1, got {data_parallel_size}.")
+    if data_parallel_size == 1 and ray_address is None:
+        return None
+    try:
+        from nanoinfer.distributed import ray_replicas
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "ray":
+            raise
+        raise ReplicaError(
+            f"--data-parallel-size {data_parallel_size} runs the engine replicas on Ray, which is not installed "
+            "here. Install it with `pip install 'nanoinfer[ray]'`, or run one engine (--data-parallel-size 1)."
+        ) from None
+    return ray_replicas
 
 
 def _configure_logging(level: str | None) -> None:
@@ -441,8 +485,9 @@ def load_llm(config):
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------
-def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: bool = False) -> int:
-    """Start (or resume) the output, stream the input through `llm`; returns the exit code."""
+def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: bool = False, loop=None) -> int:
+    """Start (or resume) the output, stream the input through `llm` (or Ray replicas, with their `loop`);
+    returns the exit code."""
     stopper.started = True
     where = "stdout" if job.output_path is None else str(job.output_path)
     done_lines: set[int] = set()
@@ -468,7 +513,7 @@ def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: b
             )
             reader = batch.BatchReader(stream, job.sampling_defaults, done_lines, job.max_line_bytes)
             with progress:
-                stream_requests(llm, reader, writer, progress, job.max_in_flight, stopper)
+                (loop or stream_requests)(llm, reader, writer, progress, job.max_in_flight, stopper)
     except OutputWriteError as e:
         return _output_failed(job, e, len(done_lines) + writer.num_written)
     if stopper.stopping:
@@ -544,102 +589,18 @@ def stream_requests(
     stopper: Stopper,
 ) -> None:
     """Admit lines while fewer than max_in_flight requests are in the engine; write each one as it ends."""
-    pending: dict[str, batch.BatchRequest] = {}
-    items = iter(reader)
-    exhausted = False
-    decode = _token_decoder(llm.tokenizer)
-    while not stopper.stopping:
-        while not exhausted and len(pending) < max_in_flight and not stopper.stopping:
-            item = next(items, None)
-            if item is None:
-                exhausted = True
-            elif isinstance(item, batch.LineError):
-                _write(writer, progress, batch.error_record(item), None, True)
-            else:
-                error = _admit(llm, item)
-                if error is None:
-                    pending[str(item.line)] = item
-                else:
-                    _write(writer, progress, batch.error_record(error), None, True)
-        if not pending:
-            break
-        outputs, stats = llm.step()
-        progress.on_step(stats.num_prefill_tokens, stats.num_decode_tokens, stats.num_preempted,
-                         stats.num_draft_tokens, stats.num_accepted_tokens)
-        for output in outputs:
-            request = pending.pop(output.request_id)
-            if output.finish_reason == "error":
-                error = batch.LineError(
-                    request.line,
-                    request.id,
-                    request.kind,
-                    getattr(output, "error_code", None) or "request_failed",
-                    f"line {request.line}: {output.error}",
-                )
-                _write(writer, progress, batch.error_record(error), None, True)
-            else:
-                _write_result(writer, progress, request, output, decode)
-        writer.sync_if_due()
+    for event in LineRunner(llm).run(reader, max_in_flight, lambda: stopper.stopping):
+        if isinstance(event, FinishedLine):
+            write_finished(writer, progress, event)
+        else:  # the end of an engine step
+            progress.on_step(event.num_prefill_tokens, event.num_decode_tokens, event.num_preempted,
+                             event.num_draft_tokens, event.num_accepted_tokens)
+            writer.sync_if_due()
 
 
-def _admit(llm, request: batch.BatchRequest) -> batch.LineError | None:
-    """Tokenize and queue one request, or say why it cannot be served (never raises: a line's boundary)."""
-    code = "request_failed"
-    try:
-        if request.prompt_token_ids is not None:
-            code = "out_of_vocabulary"
-            token_ids = llm.check_token_ids(request.prompt_token_ids)
-        else:
-            if request.messages is not None:
-                code = "chat_template_error"
-                text = llm.apply_chat_template(request.messages)
-            else:
-                text = request.prompt
-            if len(text) > llm.max_prompt_chars:
-                code = "prompt_too_long"
-                raise RequestError(
-                    f"the prompt has {len(text):,} characters, more than max_model_len "
-                    f"({llm.config.max_model_len}) tokens can hold. Shorten the prompt or raise --max-model-len."
-                )
-            code = "request_failed"
-            token_ids = llm.encode(text)
-        max_model_len = llm.config.max_model_len
-        if len(token_ids) >= max_model_len:
-            code = "prompt_too_long"
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len} "
-                "(prompt plus output). Shorten the prompt or raise --max-model-len."
-            )
-        code = "request_failed"
-        llm.add_request(token_ids, request.params, request_id=str(request.line))
-    except RequestError as e:
-        return batch.LineError(request.line, request.id, request.kind, code, f"line {request.line}: {e}")
-    except Exception as e:  # the per-line boundary: a bug here must not end the job
-        logger.debug("line %d: unexpected error while admitting", request.line, exc_info=True)
-        return batch.LineError(request.line, request.id, request.kind, "internal_error",
-                               f"line {request.line}: {batch.internal_error_message(e)}")
-    return None
-
-
-def _write_result(writer, progress, request: batch.BatchRequest, output, decode) -> None:
-    try:
-        record = batch.result_record(request, output, decode)
-    except Exception as e:  # a record that cannot be built is that line's error, not the job's
-        logger.debug("line %d: unexpected error while building its record", request.line, exc_info=True)
-        error = batch.LineError(request.line, request.id, request.kind, "internal_error",
-                                f"line {request.line}: {batch.internal_error_message(e)}")
-        _write(writer, progress, batch.error_record(error), None, True)
-        return
-    _write(writer, progress, record, output.usage, False)
-
-
-def _write(writer, progress, record: dict, usage: dict | None, is_error: bool) -> None:
-    writer.write(record)
-    progress.on_record(usage, is_error)
-
-
-def _token_decoder(tokenizer):
-    return lambda token_id: tokenizer.decode([token_id])
+def write_finished(writer: batch.RecordWriter, progress: JobProgress, finished: FinishedLine) -> None:
+    writer.write(finished.record)
+    progress.on_record(finished.usage, finished.is_error)
 
 
 def _note(message: str) -> None:

@@ -1,0 +1,136 @@
+"""LineRunner: one LLM serving parsed JSONL lines, from BatchRequest to finished record.
+
+Admits a line (tokenize, length checks, add_request), steps the engine and builds each finished line's
+record; every failure of one line becomes that line's error record. Reading lines and writing records is
+the caller's: `nanoinfer generate` on one engine, each Ray replica, and the Ray Data predictor all run it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nanoinfer import batch
+from nanoinfer.errors import RequestError
+
+if TYPE_CHECKING:
+    from nanoinfer.engine.engine import StepStats
+
+logger = logging.getLogger("nanoinfer")
+
+
+@dataclass
+class FinishedLine:
+    """One line's record, with what progress counts: its usage (None for an error record) and whether it failed."""
+
+    line: int
+    record: dict
+    usage: dict | None
+    is_error: bool
+
+
+def error_line(error: batch.LineError) -> FinishedLine:
+    return FinishedLine(error.line, batch.error_record(error), None, True)
+
+
+class LineRunner:
+    """Feeds BatchRequests to `llm` and hands back FinishedLines; `pending` holds the lines in the engine."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.pending: dict[str, batch.BatchRequest] = {}
+        self._decode = lambda token_id: llm.tokenizer.decode([token_id])
+
+    def add(self, item: batch.BatchRequest | batch.LineError) -> FinishedLine | None:
+        """Queue a line in the engine (None), or return its error record at once."""
+        if isinstance(item, batch.LineError):
+            return error_line(item)
+        error = admit(self.llm, item)
+        if error is not None:
+            return error_line(error)
+        self.pending[str(item.line)] = item
+        return None
+
+    def run(self, items: Iterable[batch.BatchRequest | batch.LineError], max_in_flight: int,
+            stopping: Callable[[], bool] = lambda: False) -> Iterator[FinishedLine | StepStats]:
+        """Admit lines while fewer than max_in_flight are in the engine and step it, yielding each finished line
+        and each step's StepStats, until every line is done (or `stopping()`: lines in the engine are left)."""
+        items = iter(items)
+        exhausted = False
+        while not stopping():
+            while not exhausted and len(self.pending) < max_in_flight and not stopping():
+                item = next(items, None)
+                if item is None:
+                    exhausted = True
+                elif (finished := self.add(item)) is not None:
+                    yield finished
+            if not self.pending:
+                return
+            finished_lines, stats = self.step()
+            yield from finished_lines
+            yield stats
+
+    def step(self) -> tuple[list[FinishedLine], StepStats]:
+        """One engine step: (the lines it finished, its StepStats)."""
+        outputs, stats = self.llm.step()
+        finished = []
+        for output in outputs:
+            request = self.pending.pop(output.request_id)
+            if output.finish_reason == "error":
+                code = getattr(output, "error_code", None) or "request_failed"  # e.g. a grammar that cannot compile
+                finished.append(error_line(batch.LineError(
+                    request.line, request.id, request.kind, code, f"line {request.line}: {output.error}"
+                )))
+            else:
+                finished.append(self._result(request, output))
+        return finished, stats
+
+    def _result(self, request: batch.BatchRequest, output) -> FinishedLine:
+        try:
+            record = batch.result_record(request, output, self._decode)
+        except Exception as e:  # a record that cannot be built is that line's error, not the job's
+            logger.debug("line %d: unexpected error while building its record", request.line, exc_info=True)
+            return error_line(batch.LineError(request.line, request.id, request.kind, "internal_error",
+                                              f"line {request.line}: {batch.internal_error_message(e)}"))
+        return FinishedLine(request.line, record, output.usage, False)
+
+
+def admit(llm, request: batch.BatchRequest) -> batch.LineError | None:
+    """Tokenize and queue one request, or say why it cannot be served (never raises: a line's boundary)."""
+    code = "request_failed"
+    try:
+        if request.prompt_token_ids is not None:
+            code = "out_of_vocabulary"
+            token_ids = llm.check_token_ids(request.prompt_token_ids)
+        else:
+            if request.messages is not None:
+                code = "chat_template_error"
+                text = llm.apply_chat_template(request.messages)
+            else:
+                text = request.prompt
+            if len(text) > llm.max_prompt_chars:
+                code = "prompt_too_long"
+                raise RequestError(
+                    f"the prompt has {len(text):,} characters, more than max_model_len "
+                    f"({llm.config.max_model_len}) tokens can hold. Shorten the prompt or raise --max-model-len."
+                )
+            code = "request_failed"
+            token_ids = llm.encode(text)
+        max_model_len = llm.config.max_model_len
+        if len(token_ids) >= max_model_len:
+            code = "prompt_too_long"
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len} "
+                "(prompt plus output). Shorten the prompt or raise --max-model-len."
+            )
+        code = "request_failed"
+        llm.add_request(token_ids, request.params, request_id=str(request.line))
+    except RequestError as e:
+        return batch.LineError(request.line, request.id, request.kind, code, f"line {request.line}: {e}")
+    except Exception as e:  # the per-line boundary: a bug here must not end the job
+        logger.debug("line %d: unexpected error while admitting", request.line, exc_info=True)
+        return batch.LineError(request.line, request.id, request.kind, "internal_error",
+                               f"line {request.line}: {batch.internal_error_message(e)}")
+    return None
