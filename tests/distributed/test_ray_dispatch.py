@@ -140,3 +140,10 @@ def test_two_poison_lines_in_one_group_are_both_given_up_and_nothing_else():
         assert sorted(given_up) == [5, 6]
         assert sorted(written) == [line for line in range(1, 41) if line not in (5, 6)]
         assert max(retries.values()) <= 1 + math.ceil(math.log2(8))
+
+
+def test_a_small_job_is_shared_not_taken_whole_by_the_first_replica():
+    d = Dispatcher(iter([request(i) for i in range(1, 41)]), max_in_flight=2048, chunk=16)
+    d.add_replica(0)
+    d.add_replica(1)
+    assert [len(d.next_work(r)[0]) for r in (0, 1, 0, 1, 0)] == [16, 16, 8, 0, 0]
