@@ -7,6 +7,9 @@ contributes KV to the cache and nothing else.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from nanoinfer import memory
@@ -42,6 +45,18 @@ def group_by_sequence(sample_seqs: list[Sequence], token_ids: list[int]) -> dict
         else:
             tokens.append(token_id)
     return sampled
+
+
+def _on_ordinary_pages(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uncommitted CPU tensor on 4 KiB pages whatever the heap's history: its own mapping, MADV_NOHUGEPAGE.
+    torch.empty would take freed heap memory, which may carry another library's MADV_HUGEPAGE (numpy asks it for
+    large arrays, e.g. transformers' GGUF dequantization in the same process)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0 or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes)  # zero pages, committed at their first write (commit_new_blocks)
+    mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 def kv_cache_dtype_of(config) -> torch.dtype:
@@ -120,7 +135,7 @@ class ModelRunner:
         # use, so lazily committed huge pages made it 3-7% slower (float32 ~485 -> ~520 tok/s, bfloat16
         # ~1,300 -> ~1,355, two alternated runs each); on the Sapphire Rapids of the tenth round they were
         # only level (benchmarks/README.md, seventeenth round).
-        return torch.empty(shape, dtype=self.kv_cache_dtype)
+        return _on_ordinary_pages(shape, self.kv_cache_dtype)
 
     def commit_new_blocks(self, slot_mapping: torch.Tensor) -> None:
         """Commit the memory of the blocks this step writes into for the first time, whole, before the
