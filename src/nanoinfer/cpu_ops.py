@@ -63,12 +63,11 @@ _KEEP_BYTES = 1 << 30
 def keep_freed_memory_for_reuse() -> bool:
     """Let glibc's malloc serve large tensors from memory it already has (once per process; CPU runs only).
 
-    By default glibc hands every allocation over 32 MB (a prefill's activations: W's gate_up output is
-    55 MB) to a fresh mmap and unmaps it when freed, so each step page-faults its activations in again, and
-    with heap trimming smaller ones too. Measured on a 2-core Sapphire Rapids, our GEMM at 8,919 rows (one
-    prefill step of W): 163 / 200 / 195 GFLOP/s for qkv / gate_up / down, 221 / 234 / 235 with thresholds
-    of 1 GiB, as at 2,048 rows. Freed memory then stays in the process for the next step (peak RSS is
-    reached either way). Returns whether both settings took (False off glibc)."""
+    By default glibc hands every allocation over 32 MB (a prefill's activations) to a fresh mmap and unmaps it
+    when freed, so each step page-faults its activations in again, and with heap trimming smaller ones too:
+    a large prefill's GEMMs ran markedly slower so (benchmarks/README.md). Freed memory then stays in the
+    process for the next step (peak RSS is reached either way). Returns whether both settings took (False off
+    glibc)."""
     try:
         import ctypes
 

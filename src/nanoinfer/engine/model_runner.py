@@ -129,12 +129,9 @@ class ModelRunner:
     def _allocate_cache_tensor(self, shape) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-        # Ordinary 4 KiB pages, committed a block at a time (commit_new_blocks). Not the weights' 2 MiB pages
-        # (csrc/huge_pages.cpp): a huge page is committed whole at its first write, and on the 2-core VM of
-        # stop 27 that cost 1.26 ms per 2 MiB against 0.74 us per 4 KiB page. W runs ~900 MB of cache into
-        # use, so lazily committed huge pages made it 3-7% slower (float32 ~485 -> ~520 tok/s, bfloat16
-        # ~1,300 -> ~1,355, two alternated runs each); on the Sapphire Rapids of the tenth round they were
-        # only level (benchmarks/README.md, seventeenth round).
+        # Ordinary 4 KiB pages, committed a block at a time (commit_new_blocks), not the weights' 2 MiB pages
+        # (csrc/huge_pages.cpp): a huge page is committed whole at its first write, which made decode slower
+        # where it was measured (benchmarks/README.md, seventeenth round).
         return _on_ordinary_pages(shape, self.kv_cache_dtype)
 
     def commit_new_blocks(self, slot_mapping: torch.Tensor) -> None:
@@ -142,13 +139,10 @@ class ModelRunner:
         step stores into them (CPU caches only; each tensor-parallel rank calls this for its own shard).
 
         Why: the cache is allocated untouched, so otherwise the OS commits it a 4 KiB page at a time inside
-        the step's kernels, as decode writes one row a sequence a layer into fresh pages. What a first write
-        costs depends on the VM's state (benchmarks/README.md, twenty-first round): in a slow phase of the
-        2-core VM of stop 31, W float32 spent ~0.5 s of its ~16 s in those faults, and committing here made it
-        0.3-0.8 s faster in six of seven alternated pairs (16.0-16.9 -> 15.7-16.1 s); in a fast phase both
-        ran 15.3-15.7 s, and W bfloat16 was level. A whole block is committed even where its sequence ends
-        early: at most one partial block per sequence, and the planner counted every block against the memory
-        budget anyway."""
+        the step's kernels, as decode writes one row a sequence a layer into fresh pages; committing ahead
+        was faster or level (benchmarks/README.md, twenty-first round). A whole block is committed even where
+        its sequence ends early: at most one partial block per sequence, and the planner counted every block
+        against the memory budget anyway."""
         if self.committed is None:
             return
         blocks = torch.unique(slot_mapping[slot_mapping >= 0] // self.block_size)

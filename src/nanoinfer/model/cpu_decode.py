@@ -1,15 +1,14 @@
 """Every decoder layer of a pure-decode step in one C++ call on CPU (csrc/decode_layers.cpp).
 
-With the kernels at the CPU's compute and bandwidth ceilings, ~0.3 ms a layer of Python (module calls,
-views, checks) was what remained of a decode step outside them: 2.5 s of W's 26.6 s decode. The C++ loop
+With the kernels at the CPU's compute and bandwidth ceilings, the Python around them (module calls, views,
+checks, per layer) was what remained of a decode step outside them (benchmarks/README.md). The C++ loop
 calls the same kernels in the same order, so its output is bit for bit the per-layer path's.
 
 It applies only where the per-layer path would call exactly those kernels: on CPU with the kernels built,
 float32 with weights packed for our panel GEMM or bfloat16 with weights packed for the AMX GEMM (the MLP's
 gated in both), one process (no tensor parallelism), Llama / Qwen2-shaped layers (no Qwen3 q/k norms, no
 o_proj or down_proj bias), the torch attention backend with its CPU kernel, and a pure-decode step.
-Everything else takes the per-layer path, unchanged. In bfloat16 (W on a 2-core Sapphire Rapids) the
-per-layer path spent ~1.3 s of an 11.9 s decode outside the kernels.
+Everything else takes the per-layer path, unchanged.
 """
 
 from __future__ import annotations

@@ -4,10 +4,8 @@
 on every call; in decode (a few dozen rows) that costs about as much as the multiply. So every linear
 (and the LM head) is packed once, for one of two kernels:
 - float32 and bfloat16 where the C++ kernels are built for AVX2: our own GEMM (csrc/gemm.cpp, 16-column
-  panels and a 6 x 16 register tile; bfloat16 is widened to float32 in registers and summed in float32).
-  Measured on the 2-core AVX2 EPYC, 2 threads, a decode step's linears in sequence (30 layers, 64
-  rows): 70-78 GFLOP/s with oneDNN's packed weights, 85-105 with ours; 23 -> 48 at 16 rows; prefill
-  shapes equal within noise (benchmarks/README.md);
+  panels and a 6 x 16 register tile; bfloat16 is widened to float32 in registers and summed in float32),
+  faster than oneDNN's packed weights at decode's row counts and level at prefill's (benchmarks/README.md);
 - bfloat16 on CPUs with AMX (Sapphire Rapids and later): our AMX GEMM (csrc/amx_gemm.cpp), which keeps
   DRAM busy at decode's row counts where oneDNN's kernels do not, and takes the MLP's SiLU-and-mul into
   its epilogue with the separate ops' roundings;
@@ -15,9 +13,10 @@ on every call; in decode (a few dozen rows) that costs about as much as the mult
   weights (torch's own `torch.ops.mkldnn` ops, what inductor's CPU freezing pass uses),
   where it runs the dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT);
 - otherwise plain `F.linear`.
-A float32 weight whose values are all exact 4-bit blocks (a GGUF Q4_1 model's; the built-in default is one) also
-gets those forms (`PackedWeight.compact`, `compact_amx`): the panel GEMM reads the 4-bit one for steps of few rows
-(csrc/q4_panels.h, the same bits), AMX CPUs run steps of more rows on the other (csrc/q4_amx_gemm.cpp).
+A float32 weight loaded from a GGUF's Q4_0 / Q4_1 blocks (the built-in default is one), or whose values are all
+exactly such blocks, also gets those forms (`PackedWeight.compact`, `compact_amx`): the panel GEMM reads the
+4-bit one for steps of few rows (csrc/q4_panels.h, the same bits), AMX CPUs run steps of more rows on the other
+(csrc/q4_amx_gemm.cpp).
 Float32 results differ from sgemm by summation order only (relative 1e-6); bfloat16 ones are rounded once,
 from the float32 sum.
 """
@@ -101,8 +100,8 @@ def packing_kind(dtype: torch.dtype) -> str | None:
     ops = cpu_ops()
     if dtype == torch.bfloat16 and ops is not None and ops.amx_available():
         return "amx"
-    # bfloat16 on a CPU with AVX512-BF16 (no AMX): oneDNN's kernels multiply it natively, 3-10x our GEMM's
-    # widen-to-float32 rate (SmolLM2's shapes on a 2-core Sapphire Rapids: 300-1,200 against ~90 GFLOP/s).
+    # bfloat16 on a CPU with AVX512-BF16 (no AMX): oneDNN's kernels multiply it natively, several times our
+    # GEMM's widen-to-float32 rate (benchmarks/README.md).
     if dtype == torch.bfloat16 and has_native_bfloat16_matmul() and onednn_prepack_supported(dtype):
         return "onednn"
     if dtype in (torch.float32, torch.bfloat16) and ops is not None and ops.vectorized:

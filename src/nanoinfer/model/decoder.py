@@ -75,11 +75,8 @@ class Attention(nn.Module):
 # at a time (at least 64 rows), which bounds the step's activation peak for wide MLPs (float32, 14,336 wide:
 # ~2,300 rows a chunk). Rows are independent, so the result is the same (bit for bit with our panel GEMM,
 # whose per-row sums do not depend on the number of rows).
-# It was 16 MiB, when glibc served larger blocks as fresh mappings page-faulted in on every call; since CPU
-# processes keep freed blocks in the heap (cpu_ops.keep_freed_memory_for_reuse), chunks that small only cost:
-# W float32's prefill step (8,919 rows, SmolLM2: one 256 MiB chunk, against 7 of 16 MiB) 6.47-6.64 -> 6.12-6.41
-# s, alternated in one process, same bits (outputs over 16 MiB go out with streaming stores, smaller ones
-# were copied into the step's output); bfloat16 level (1.79 s).
+# Large: CPU processes keep freed blocks in the heap (cpu_ops.keep_freed_memory_for_reuse), so big chunks page-
+# fault nothing, and small ones only cost GEMM calls and copies (benchmarks/README.md, twenty-third round).
 CPU_MLP_CHUNK_BYTES = 256 << 20
 
 
@@ -144,9 +141,8 @@ class DecoderModel(nn.Module):
         """The final hidden states of every row, or of the rows in logits_indices (in that order).
 
         Why logits_indices: only the rows a step samples are read after the model, and the last layer's
-        keys and values come from its input, so its o_proj, MLP and norms run for those rows alone. In a
-        prompt's step that is one row in ~140: W float32's prefill step (8,919 rows, 64 sampled) skips ~2.8%
-        of its FLOPs and ran 6.50 -> 6.27 s (medians of 6, alternated in one process). Each kept row's
+        keys and values come from its input, so its o_proj, MLP and norms run for those rows alone (a prompt's
+        step samples one row a prompt; benchmarks/README.md, twenty-third round). Each kept row's
         arithmetic, and so its bits, are the same as when every row runs (the kernels' row sums do not
         depend on how many rows there are)."""
         hidden_states, residual = self.embed_tokens(input_ids), None

@@ -115,7 +115,7 @@ def _logprob(logits: torch.Tensor, token_id: int, num_top: int) -> Logprob:
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(logits, dim=-1); on CPU through the C++ kernel (3.5 -> 0.22 ms for 64 x 49,152 logits)."""
+    """torch.argmax(logits, dim=-1); on CPU through the C++ kernel, many times faster than torch's here."""
     cpu = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
     ops = cpu_ops() if cpu and logits.dim() == 2 and logits.shape[1] > 0 else None
     if ops is not None:
