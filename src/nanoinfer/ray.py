@@ -64,7 +64,7 @@ class NanoinferPredictor:
         for number, row in enumerate(rows, start=first_line):
             try:
                 lines.append(json.dumps(_plain(row), ensure_ascii=False, allow_nan=False).encode() + b"\n")
-            except (TypeError, ValueError) as e:  # a value JSON has no form for (bytes, an object, ...)
+            except Exception as e:  # a value JSON has no form for (bytes, an object, nesting too deep, ...)
                 lines.append(b"\n")  # a blank line keeps the numbering; the row gets its error record here
                 unreadable[number] = batch.LineError(
                     number, None, batch.NATIVE, "invalid_row",

@@ -32,8 +32,9 @@ logger = logging.getLogger("nanoinfer")
 # long enough that the round trip to the driver is a few percent of a call, short enough for a live bar.
 WORK_MIN_SECONDS = 0.05
 WORK_MAX_SECONDS = 0.5
-# Ray restarts a dead replica this often before it is dropped; one poison line costs 2 + log2(in flight).
-MAX_RESTARTS = 12
+# Ray restarts a dead replica this often before it is dropped. One poison line costs 2 + log2(in flight) deaths
+# (13 at the default max_in_flight of 2,048), so this covers about five of them on one replica.
+MAX_RESTARTS = 64
 START_TIMEOUT_SECONDS = 900.0  # a replica not ready by then (no room on the cluster, a hung load) is dropped
 _STATS = ("num_prefill_tokens", "num_decode_tokens", "num_preempted", "num_draft_tokens", "num_accepted_tokens")
 
@@ -56,8 +57,9 @@ class Replica:
         return {"incarnation": self.incarnation, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "error": self.error}
 
-    def work(self, requests: list[batch.BatchRequest]) -> tuple[list[FinishedLine], dict[str, int]]:
-        """Admit `requests`, then step until lines have finished (or for WORK_MAX_SECONDS): (finished, stats)."""
+    def work(self, requests: list[batch.BatchRequest]) -> tuple[list[FinishedLine], dict[str, int], str]:
+        """Admit `requests`, then step until lines have finished (or for WORK_MAX_SECONDS): (finished, stats,
+        incarnation). The incarnation tells the driver when Ray restarted the actor between two calls."""
         finished = [done for request in requests if (done := self.runner.add(request)) is not None]
         totals = dict.fromkeys(_STATS, 0)
         start = time.monotonic()
@@ -69,7 +71,7 @@ class Replica:
             elapsed = time.monotonic() - start
             if (finished and elapsed >= WORK_MIN_SECONDS) or elapsed >= WORK_MAX_SECONDS:
                 break
-        return finished, totals
+        return finished, totals, self.incarnation
 
 
 @dataclass
@@ -306,16 +308,20 @@ class _Driver:
 
     def _on_work(self, slot: _Slot, ref) -> None:
         try:
-            finished, stats = ray.get(ref)
+            finished, stats, incarnation = ray.get(ref)
         except RayError as e:  # the actor died (killed, OOM, node lost) or its engine raised
-            self._failed(slot, e)
+            self._failed(slot, _reason(e))
             return
         self.progress.on_step(*(stats[name] for name in _STATS))
         for line in finished:
             if self.dispatcher.finished(slot.index, line.line) is not None:
                 self._write(line)
+        if incarnation != slot.incarnation:
+            # Ray restarted it while it was idle between two calls: no call failed, but the lines of the old
+            # engine are gone. The new one holds this call's lines, which go to others now: reset it too.
+            self._failed(slot, "restarted between two calls (killed while idle)", reset=incarnation)
 
-    def _failed(self, slot: _Slot, error: RayError) -> None:
+    def _failed(self, slot: _Slot, reason: str, reset: str | None = None) -> None:
         retried, given_up = self.dispatcher.fail(slot.index)
         self.progress.on_replica_failure(len(retried))
         for request in given_up:
@@ -326,13 +332,14 @@ class _Driver:
                 "exhausts memory?) and the replicas' logs (/tmp/ray/session_latest/logs on their nodes).",
             )))
         gave_up = f"; {len(given_up)} line given up" if given_up else ""
-        self.pool.notify(f"replica {slot.index} (node {slot.node}) failed: {_reason(error)}; {len(retried)} unfinished "
+        self.pool.notify(f"replica {slot.index} (node {slot.node}) failed: {reason}; {len(retried)} unfinished "
                          f"lines go to the other replicas{gave_up}")
-        self._restart(slot)
+        self._restart(slot, reset)
 
-    def _restart(self, slot: _Slot) -> None:
-        # Ray restarts a dead actor by itself (max_restarts); ready() answers once it is back.
-        slot.previous = slot.incarnation or slot.previous
+    def _restart(self, slot: _Slot, reset: str | None = None) -> None:
+        # Ray restarts a dead actor by itself (max_restarts); ready() answers once it is back. An incarnation
+        # that must not be used as it is (`reset`, or the failed one answering again) is restarted in _on_ready.
+        slot.previous = reset or slot.incarnation or slot.previous
         slot.incarnation, slot.started = None, time.monotonic()
         self.calls[slot.actor.ready.remote()] = (slot, "ready")
 
