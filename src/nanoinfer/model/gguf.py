@@ -205,49 +205,34 @@ def _set_numpy_huge_pages(enabled: bool) -> bool:
 def _load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> None:
     from gguf import dequantize
 
-    from nanoinfer.model.loader import check_complete, target_name
+    from nanoinfer.model.loader import WeightLoading
 
     reader = open_gguf(gguf_path)
     arch = architecture(reader, gguf_path)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules", {})
-    tied = getattr(model, "tie_word_embeddings", False)
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+    loading = WeightLoading(model)
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         if kind not in TENSOR_TYPES:
             raise ModelLoadError(f"{gguf_path}: tensor {tensor.name} is of type {kind}, which nanoinfer does not "
                                  f"load; it loads {', '.join(TENSOR_TYPES)}. Use a file quantized to one of them.")
         name = hf_name(tensor.name)
-        if tied and name == "lm_head.weight":
+        found = loading.target(name)
+        if found is None:
             continue
-        target, shard_id = target_name(name, packed)
-        param = params.get(target)
-        if param is None:
-            unexpected.append(name)
-            continue
+        target, shard_id = found
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         heads = None
         if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = hf_config.num_attention_heads if "attn_q" in tensor.name else hf_config.num_key_value_heads
             values = unpermute_rotary(values, heads)
-        loader = getattr(param, "weight_loader", None)
         weight = torch.from_numpy(np.require(values, requirements=["C", "W"]))  # an F32 tensor is a read-only map
-        with torch.no_grad():
-            if loader is None:
-                param.data.copy_(weight.view(param.shape))
-            elif shard_id is None:
-                loader(param, weight)
-            else:
-                loader(param, weight, shard_id)
+        loading.copy(name, target, shard_id, weight)
         if kind in BLOCK_TYPES and name.endswith("proj.weight"):
             blocks = q4_blocks(tensor)
             if heads is not None:  # the same rows, in the same order as the values
                 blocks = tuple(unpermute_rotary(b, heads) for b in blocks)
             _keep_blocks(model, target, shard_id, blocks)
-        loaded.add(target if shard_id is None else f"{target}:{shard_id}")
-    check_complete(model, packed, tied, loaded, unexpected, gguf_path)
+    loading.finish(gguf_path)
 
 
 def _keep_blocks(model: torch.nn.Module, target: str, shard_id, blocks) -> None:

@@ -33,40 +33,61 @@ def load_weights(model: nn.Module, model_dir: str | Path, hf_config=None) -> Non
             if has_bin else ""
         )
         raise ModelLoadError(f"no *.safetensors weights in {model_dir}.{hint}")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules", {})
-    tied = getattr(model, "tie_word_embeddings", False)
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+    loading = WeightLoading(model)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if tied and name == "lm_head.weight":
-                    continue  # the head shares the embedding table
-                if "rotary_emb.inv_freq" in name:
-                    continue  # recomputed from the config
-                target, shard_id = target_name(name, packed)
-                param = params.get(target)
-                if param is None:
-                    unexpected.append(name)
-                    continue
-                tensor = f.get_tensor(name)
-                loader = getattr(param, "weight_loader", None)
-                with torch.no_grad():
-                    if loader is None:
-                        _check_shape(name, param, tensor)
-                        param.data.copy_(tensor)
-                    elif shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
-                loaded.add(target if shard_id is None else f"{target}:{shard_id}")
-    check_complete(model, packed, tied, loaded, unexpected, model_dir)
+                target = loading.target(name)
+                if target is not None:
+                    loading.copy(name, *target, f.get_tensor(name))
+    loading.finish(model_dir)
 
 
-def check_complete(model: nn.Module, packed: dict, tied: bool, loaded: set[str], unexpected: list[str],
-                   source: Path) -> None:
-    """Every parameter loaded and nothing left over, or a ModelLoadError naming both lists."""
+class WeightLoading:
+    """One checkpoint into `model`, whatever its format (safetensors, GGUF): checkpoint tensor names (HF's) ->
+    parameters through their weight loaders, then a check that every parameter was loaded and nothing was left."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.packed = getattr(model, "packed_modules", {})
+        self.tied = getattr(model, "tie_word_embeddings", False)
+        self.loaded: set[str] = set()
+        self.unexpected: list[str] = []
+
+    def target(self, name: str) -> tuple[str, object] | None:
+        """(parameter, shard id) the checkpoint tensor `name` fills, or None when it is not loaded (read it only
+        if not None): the tied head, rotary tables, or a name the model does not have (reported by finish)."""
+        if self.tied and name == "lm_head.weight":
+            return None  # the head shares the embedding table
+        if "rotary_emb.inv_freq" in name:
+            return None  # recomputed from the config
+        target, shard_id = target_name(name, self.packed)
+        if target not in self.params:
+            self.unexpected.append(name)
+            return None
+        return target, shard_id
+
+    def copy(self, name: str, target: str, shard_id, tensor: torch.Tensor) -> None:
+        param = self.params[target]
+        loader = getattr(param, "weight_loader", None)
+        with torch.no_grad():
+            if loader is None:
+                _check_shape(name, param, tensor)
+                param.data.copy_(tensor)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        self.loaded.add(target if shard_id is None else f"{target}:{shard_id}")
+
+    def finish(self, source: Path) -> None:
+        """Every parameter loaded and nothing left over, or a ModelLoadError naming both lists."""
+        _check_complete(self.model, self.packed, self.tied, self.loaded, self.unexpected, source)
+
+
+def _check_complete(model: nn.Module, packed: dict, tied: bool, loaded: set[str], unexpected: list[str],
+                    source: Path) -> None:
     expected = _expected_names(model, packed, tied)
     missing = sorted(expected - loaded)
     if missing or unexpected:
