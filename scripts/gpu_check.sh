@@ -173,7 +173,7 @@ if "torch" not in report["missing_system"]:
         report["problems"].append("torch.cuda.is_available() is False: no usable CUDA device")
 if not report["missing"] and not report["missing_system"]:
     try:
-        import nanoinfer, nanoinfer.cli, nanoinfer.kernels  # the package from src/ and its Triton kernels
+        import nanoinfer, nanoinfer.cli, nanoinfer.platforms.cuda.kernels  # the package from src/ and its Triton kernels
         report["nanoinfer"] = nanoinfer.__version__
     except Exception as e:
         report["problems"].append(f"cannot import nanoinfer from src/: {type(e).__name__}: {e}")

@@ -15,6 +15,6 @@ def default_model_dir():
 def pytest_sessionstart(session):
     # Build the CPU attention kernel once, up front: otherwise the first engine test pays for it, and a
     # subprocess killed on purpose (the crash tests) could die in the middle of the build.
-    from nanoinfer.cpu_ops import cpu_ops
+    from nanoinfer.platforms.cpu.ops import cpu_ops
 
     cpu_ops()

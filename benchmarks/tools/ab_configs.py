@@ -75,7 +75,7 @@ def load_build(name: str | None):
 
 
 def use_build(module) -> None:
-    from nanoinfer import cpu_ops
+    from nanoinfer.platforms.cpu import ops as cpu_ops
 
     cpu_ops._module = module if module is not None else None
     if module is None:

@@ -10,7 +10,7 @@ sources) and take turns on the same inputs:
 - decode: whole engine decode steps on the default model (64 sequences, 150-250-token prompts);
 - attention: paged decode attention alone, 30 layers' caches, `--batch` sequences x `--run-rows` rows.
 
-Usage (build names as in ~/.cache/torch_extensions/<py>_cpu/; `python -c "from nanoinfer.cpu_ops import
+Usage (build names as in ~/.cache/torch_extensions/<py>_cpu/; `python -c "from nanoinfer.platforms.cpu.ops import
 cpu_ops; print(cpu_ops())"` prints the current one, and `git stash` + the same line builds the old one):
 
     python benchmarks/tools/ab_cpu_ops.py nanoinfer_cpu_ops_<old> nanoinfer_cpu_ops_<new> --what gemm
@@ -27,7 +27,7 @@ import torch
 
 
 def load_build(name: str):
-    from nanoinfer.cpu_ops import _build_dir
+    from nanoinfer.platforms.cpu.ops import _build_dir
 
     path = _build_dir(name) / f"{name}.so"
     if not path.is_file():
@@ -75,7 +75,7 @@ class _WithFallback:
 
 
 def ab_decode(builds: dict, reps: int, batch: int, dtype: str) -> None:
-    import nanoinfer.cpu_ops as cpu_ops_module
+    import nanoinfer.platforms.cpu.ops as cpu_ops_module
     from nanoinfer.llm import LLM
     from nanoinfer.sampling_params import SamplingParams
 

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from nanoinfer.attention.metadata import AttentionMetadata
     from nanoinfer.attention.reference import paged_attention_reference
-    from nanoinfer.kernels import paged_decode_attention, store_kvcache
+    from nanoinfer.platforms.cuda.kernels import paged_decode_attention, store_kvcache
 
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

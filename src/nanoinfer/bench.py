@@ -467,7 +467,7 @@ def machine_info(device: str) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if device == "cpu":
-        from nanoinfer.cpu_ops import cpu_ops
+        from nanoinfer.platforms.cpu.ops import cpu_ops
 
         ops = cpu_ops()
         info["cpu_kernels"] = getattr(ops, "simd", "built") if ops is not None else "unavailable (torch ops)"

@@ -202,7 +202,7 @@ def probe(device: str, dtype: str) -> tuple[float, float]:
 
 
 def _cpu_multiplies_bfloat16() -> bool:
-    from nanoinfer.model.cpu_gemm import has_native_bfloat16_matmul
+    from nanoinfer.platforms.cpu.linear import has_native_bfloat16_matmul
 
     return has_native_bfloat16_matmul()
 

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
 
-from nanoinfer.kernels import fused_ops
+from nanoinfer.platforms.cuda.kernels import fused_ops
 from nanoinfer.model.layers import RMSNorm, RotaryEmbedding
 from nanoinfer.model.layers import silu_and_mul as torch_silu_and_mul
 

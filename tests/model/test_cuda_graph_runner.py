@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.cuda_graph import graph_batch_sizes
+from nanoinfer.platforms.cuda.cuda_graph import graph_batch_sizes
 
 
 class ReplayingCapturer:

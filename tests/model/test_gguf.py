@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.cli import app
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.errors import ModelLoadError, NanoInferError
-from nanoinfer.model import cpu_gemm
+from nanoinfer.platforms.cpu import linear as cpu_gemm
 from nanoinfer.model import gguf as gguf_format
 from nanoinfer.testing.hf_reference import hf_greedy, hf_model
 from nanoinfer.testing.tiny_gguf import build_tiny_gguf

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Request
 from nanoinfer.testing.hf_reference import check_logprobs_close, hf_greedy
@@ -105,7 +105,7 @@ def test_fused_cpu_decode_is_bit_identical_to_the_layer_loop(tiny_model_dirs, re
     """Pure-decode steps run every layer in one C++ call where they can (model/cpu_decode.py: Llama and Qwen2
     here, not Qwen3's q/k norms): the same kernels in the same order, so the same tokens as transformers and
     the same log-probabilities, to the bit, as the per-layer path."""
-    from nanoinfer.model.cpu_decode import FusedDecode
+    from nanoinfer.platforms.cpu.decode_runner import FusedDecode
 
     prompts, expected, _ = references[family, "mixed"]
     params = SamplingParams(temperature=0, max_tokens=NUM_REFERENCE_TOKENS, ignore_eos=True, logprobs=3)
@@ -129,7 +129,7 @@ def test_fused_cpu_decode_is_bit_identical_to_the_layer_loop(tiny_model_dirs, re
 def test_fused_cpu_decode_in_bfloat16_on_amx_is_bit_identical_to_the_layer_loop(tiny_model_dirs, family, monkeypatch):
     """bfloat16 on an AMX CPU: pure-decode steps run every layer in one C++ call through the AMX GEMM, the same
     kernels as the per-layer path, so the same tokens and log-probabilities to the bit."""
-    from nanoinfer.model.cpu_decode import FusedDecode
+    from nanoinfer.platforms.cpu.decode_runner import FusedDecode
 
     if cpu_ops() is None or not cpu_ops().amx_available():
         pytest.skip("no AMX on this CPU")
@@ -196,7 +196,7 @@ def test_exact_4bit_weights_give_transformers_tokens(tmp_path, monkeypatch):
     float32 panels' bits), steps of many rows run on AMX (exact products, float32 sums in another order). The
     tokens of transformers; the fused decode loop's log-probabilities are the per-layer path's to the bit, and
     within float32 rounding of the float32 panels alone."""
-    from nanoinfer.model.cpu_decode import FusedDecode
+    from nanoinfer.platforms.cpu.decode_runner import FusedDecode
     from nanoinfer.testing.tiny_models import build_tiny_model
 
     if cpu_ops() is None or cpu_ops().simd != "avx512":
@@ -223,7 +223,7 @@ def test_exact_4bit_weights_give_transformers_tokens(tmp_path, monkeypatch):
     assert [out.token_ids for out in fused] == expected
     monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda model, kv_caches: False))
     looped = LLM(str(path), **settings).generate(prompts, params)
-    monkeypatch.setattr("nanoinfer.model.cpu_gemm.pack_compact", lambda weight, gated: None)
+    monkeypatch.setattr("nanoinfer.platforms.cpu.linear.pack_compact", lambda weight, gated: None)
     plain = LLM(str(path), **settings).generate(prompts, params)
     for a, b, c in zip(fused, looped, plain):
         assert a.token_ids == b.token_ids == c.token_ids

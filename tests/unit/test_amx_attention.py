@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanoinfer.attention.reference import paged_attention_reference
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().amx_available(), reason="no AMX on this CPU")
 

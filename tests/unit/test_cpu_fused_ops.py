@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.model import layers
 from nanoinfer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -225,7 +225,7 @@ def test_kernels_are_built_with_this_environments_ninja(monkeypatch, tmp_path):
 
     import torch.utils.cpp_extension
 
-    from nanoinfer import cpu_ops as cpu_ops_module
+    from nanoinfer.platforms.cpu import ops as cpu_ops_module
 
     scripts = tmp_path / "bin"
     scripts.mkdir()

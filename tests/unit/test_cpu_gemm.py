@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.cpu_ops import cpu_ops, keep_freed_memory_for_reuse
-from nanoinfer.model.cpu_gemm import (
+from nanoinfer.platforms.cpu.ops import cpu_ops, keep_freed_memory_for_reuse
+from nanoinfer.platforms.cpu.linear import (
     gated_linear,
     has_native_bfloat16_matmul,
     linear,
@@ -269,7 +269,7 @@ class _Tiny(nn.Module):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_prepack_keeps_outputs_and_releases_unshared_weights(kind, monkeypatch):
-    monkeypatch.setattr("nanoinfer.model.cpu_gemm.packing_kind", lambda dtype: kind)
+    monkeypatch.setattr("nanoinfer.platforms.cpu.linear.packing_kind", lambda dtype: kind)
     model = _Tiny()
     ids = torch.tensor([1, 7, 49])
     before = model(ids)
@@ -291,7 +291,7 @@ def test_prepack_keeps_outputs_and_releases_unshared_weights(kind, monkeypatch):
 
 def test_no_packed_kernel_leaves_layers_on_f_linear(monkeypatch):
     model = _Tiny()
-    monkeypatch.setattr("nanoinfer.model.cpu_gemm.packing_kind", lambda dtype: None)
+    monkeypatch.setattr("nanoinfer.platforms.cpu.linear.packing_kind", lambda dtype: None)
     assert prepack_linear_weights(model) == 0
     assert model.up.packed_weight is None and model.up.weight.shape == (48, 16)
 

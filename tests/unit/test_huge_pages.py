@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels could not be built here")
 

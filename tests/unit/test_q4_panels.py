@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoinfer.cpu_ops import cpu_ops
-from nanoinfer.model.cpu_gemm import PackedWeight, gated_linear, linear, pack_weight
+from nanoinfer.platforms.cpu.ops import cpu_ops
+from nanoinfer.platforms.cpu.linear import PackedWeight, gated_linear, linear, pack_weight
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None or cpu_ops().simd != "avx512",
                                 reason="the GEMM expands 4-bit weights with AVX-512 only")  # fmt: skip
@@ -170,7 +170,7 @@ def test_amx_rows_have_the_same_bits_on_any_thread_count(rows):
 def test_blocks_from_a_gguf_pack_to_the_bytes_the_packer_finds(gated, out_features, in_features):
     """compact_from_blocks (a GGUF's Q4_0 / Q4_1 blocks, no float32 detection) writes pack_q4_panels' layout
     byte for byte, in pieces at any row offsets (q, k and v; gate and up), padded columns included."""
-    from nanoinfer.model.cpu_gemm import compact_from_blocks
+    from nanoinfer.platforms.cpu.linear import compact_from_blocks
 
     rows = 2 * out_features if gated else out_features
     gen = torch.Generator().manual_seed(rows + in_features)

@@ -201,7 +201,7 @@ def test_weights_read_are_the_models_parameters_in_their_smallest_stored_form():
     import transformers
 
     from nanoinfer.attention.torch_backend import TorchBackend
-    from nanoinfer.model.cpu_gemm import PackedWeight
+    from nanoinfer.platforms.cpu.linear import PackedWeight
     from nanoinfer.model.decoder import CausalLM
 
     hf_config = transformers.Qwen3Config(**{k: v for k, v in TINY.items() if k != "model_type"})

@@ -8,7 +8,7 @@ import torch
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.reference import paged_attention_reference, store_kvcache_reference
 from nanoinfer.attention.torch_backend import TorchBackend, _StepPlan
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 
 def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):

@@ -84,11 +84,11 @@ def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str 
 def get_backend(name: str) -> AttentionBackend:
     """The backend for a name select_backend returned (Config.attention_backend once resolved)."""
     if name == "flash-attn":
-        from nanoinfer.attention.flash_attn_backend import FlashAttnBackend
+        from nanoinfer.platforms.cuda.flash_attn_backend import FlashAttnBackend
 
         return FlashAttnBackend()
     if name == "triton":
-        from nanoinfer.attention.triton_backend import TritonBackend
+        from nanoinfer.platforms.cuda.triton_backend import TritonBackend
 
         return TritonBackend()
     from nanoinfer.attention.torch_backend import TorchBackend

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 
 @dataclass

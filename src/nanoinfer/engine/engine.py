@@ -13,7 +13,7 @@ import torch
 
 from nanoinfer import memory
 from nanoinfer.config import Config
-from nanoinfer.cpu_ops import keep_freed_memory_for_reuse
+from nanoinfer.platforms.cpu.ops import keep_freed_memory_for_reuse
 from nanoinfer.distributed.executor import TensorParallelExecutor
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import ModelRunner, kv_cache_dtype_of

@@ -15,11 +15,11 @@ import torch
 from nanoinfer import memory
 from nanoinfer.attention.backend import get_backend
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.cpu_ops import cpu_ops
-from nanoinfer.engine.cuda_graph import CUDAGraphCapturer, CUDAGraphRunner, graph_batch_sizes
+from nanoinfer.platforms.cpu.ops import cpu_ops
+from nanoinfer.platforms.cuda.cuda_graph import CUDAGraphCapturer, CUDAGraphRunner, graph_batch_sizes
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.model.cpu_gemm import prepack_linear_weights
+from nanoinfer.platforms.cpu.linear import prepack_linear_weights
 from nanoinfer.model.decoder import CausalLM, head_dim_of
 from nanoinfer.model.layers import enable_triton_small_ops
 from nanoinfer.model.loader import load_weights

@@ -12,7 +12,7 @@ from torch import nn
 from nanoinfer.attention.backend import AttentionBackend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.distributed import get_tp_size
-from nanoinfer.model.cpu_decode import FusedDecode
+from nanoinfer.platforms.cpu.decode_runner import FusedDecode
 from nanoinfer.model.layers import (
     ParallelLMHead,
     RMSNorm,

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
-from nanoinfer.model.cpu_gemm import GreedyLMHead, PackedWeight, linear
+from nanoinfer.platforms.cpu.linear import GreedyLMHead, PackedWeight, linear
 
 logger = logging.getLogger("nanoinfer")
 
@@ -34,7 +34,7 @@ def _triton_ops(x: torch.Tensor):
     ops, whose exact roundings the float32 comparison with transformers relies on."""
     if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or not _TRITON_SMALL_OPS:
         return None
-    from nanoinfer.kernels import fused_ops
+    from nanoinfer.platforms.cuda.kernels import fused_ops
 
     return fused_ops
 
@@ -63,7 +63,7 @@ def enable_triton_small_ops(device: torch.device, dtype: torch.dtype) -> bool:
 def check_small_ops(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Run each small-op kernel once on a tiny input: None when all ran, else the first error, in one line."""
     try:
-        from nanoinfer.kernels import fused_ops
+        from nanoinfer.platforms.cuda.kernels import fused_ops
 
         x = torch.randn(2, 3, 64, device=device).to(dtype)
         weight = torch.ones(64, device=device, dtype=dtype)

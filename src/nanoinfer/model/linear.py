@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed import all_reduce, get_tp_rank, get_tp_size
-from nanoinfer.model.cpu_gemm import PackedWeight, gated_linear, linear
+from nanoinfer.platforms.cpu.linear import PackedWeight, gated_linear, linear
 from nanoinfer.model.layers import silu_and_mul
 
 

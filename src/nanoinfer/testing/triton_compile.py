@@ -65,9 +65,9 @@ def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
 def record_launches() -> list[tuple[str, object, tuple, dict]]:
     """Run every launcher on small CPU inputs in each dtype combination the engine uses; (case, kernel, args,
     kwargs) for each launch."""
-    from nanoinfer.kernels import fused_ops, paged_attention
+    from nanoinfer.platforms.cuda.kernels import fused_ops, paged_attention
 
-    store_module = sys.modules["nanoinfer.kernels.store_kvcache"]  # the package re-exports the function
+    store_module = sys.modules["nanoinfer.platforms.cuda.kernels.store_kvcache"]  # the package re-exports the function
     modules = {
         paged_attention: ("_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel"),
         store_module: ("_store_kvcache_kernel",),
@@ -92,7 +92,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
 
 
 def _cases() -> dict[str, Callable[[], None]]:
-    from nanoinfer.kernels import fused_ops, paged_decode_attention, paged_prefill_attention, store_kvcache
+    from nanoinfer.platforms.cuda.kernels import fused_ops, paged_decode_attention, paged_prefill_attention, store_kvcache
 
     def attention(dtype, cache_dtype, head_dim=128, group=2, variants=False):
         def run():

@@ -27,7 +27,7 @@ class FlashAttnBackend:
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        from nanoinfer.kernels.store_kvcache import store_kvcache
+        from nanoinfer.platforms.cuda.kernels.store_kvcache import store_kvcache
 
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 

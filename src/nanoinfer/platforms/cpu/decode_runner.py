@@ -17,7 +17,7 @@ import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.torch_backend import _KERNEL_CACHE_DTYPES, TorchBackend
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 # The packed kinds of (qkv, o_proj, gate_up, down_proj) the C++ loop runs, by dtype.
 _LINEAR_KINDS = {

@@ -1,4 +1,4 @@
-"""TritonBackend: our own Triton kernels (nanoinfer.kernels), the CUDA backend when flash-attn is absent.
+"""TritonBackend: our own Triton kernels (nanoinfer.platforms.cuda.kernels), the CUDA backend when flash-attn is absent.
 
 Pure-decode steps (every sequence has one query token) take the split-K decode kernel; any other step,
 including mixed decode + chunked-prefill batches, takes the paged prefill kernel.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+from nanoinfer.platforms.cuda.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 
 class TritonBackend:

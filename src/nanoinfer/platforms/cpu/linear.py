@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.cpu_ops import cpu_ops
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 logger = logging.getLogger("nanoinfer")
 

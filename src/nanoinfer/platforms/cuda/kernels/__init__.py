@@ -3,7 +3,7 @@
 Each kernel's exact semantics live in attention/reference.py, which the tests compare against.
 """
 
-from nanoinfer.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from nanoinfer.kernels.store_kvcache import store_kvcache
+from nanoinfer.platforms.cuda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from nanoinfer.platforms.cuda.kernels.store_kvcache import store_kvcache
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kvcache"]
