@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanoinfer.engine.sequence import Logprob
+
+@dataclass
+class Logprob:
+    """One sampled token's log-probability, with the top alternatives when asked for."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-k alternatives (token_id, logprob), best first
 
 
 @dataclass

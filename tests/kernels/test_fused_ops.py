@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
 
-from nanoinfer.platforms.cuda.kernels import fused_ops
 from nanoinfer.model.layers import RMSNorm, RotaryEmbedding
 from nanoinfer.model.layers import silu_and_mul as torch_silu_and_mul
+from nanoinfer.platforms.cuda.kernels import fused_ops
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 

@@ -17,8 +17,8 @@ pytest.importorskip("triton", reason="triton is not installed: pip install -e '.
 
 from nanoinfer.attention.reference import paged_attention_reference, store_kvcache_reference
 from nanoinfer.attention.torch_backend import to_cache_dtype
-from nanoinfer.platforms.cuda.triton_backend import TritonBackend
 from nanoinfer.platforms.cuda.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+from nanoinfer.platforms.cuda.triton_backend import TritonBackend
 
 FP8 = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
 # The query's dtype sets the tolerance against the oracle on the same cache (as in test_triton_kernels.py).

@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
 
-from nanoinfer.platforms.cuda import triton_backend
 from nanoinfer.attention.reference import paged_attention_reference, store_kvcache_reference
-from nanoinfer.platforms.cuda.triton_backend import TritonBackend
+from nanoinfer.platforms.cuda import triton_backend
 from nanoinfer.platforms.cuda.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+from nanoinfer.platforms.cuda.triton_backend import TritonBackend
 
 # float32 must match the oracle to rounding; bfloat16 rounds the softmax weights before P @ V, as
 # flash-attention does, so it gets a few bfloat16 ulps (one ulp at 1.0 is 0.0078).

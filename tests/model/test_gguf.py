@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.cli import app
-from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.errors import ModelLoadError, NanoInferError
-from nanoinfer.platforms.cpu import linear as cpu_gemm
 from nanoinfer.model import gguf as gguf_format
+from nanoinfer.platforms.cpu import linear as cpu_gemm
+from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.testing.hf_reference import hf_greedy, hf_model
 from nanoinfer.testing.tiny_gguf import build_tiny_gguf
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Request
+from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.testing.hf_reference import check_logprobs_close, hf_greedy
 
 FAMILIES = ["qwen3", "qwen2", "llama"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.platforms.cpu.linear import gated_linear, linear, pack_weight, packing_kind
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().amx_available(), reason="no AMX on this CPU")
 

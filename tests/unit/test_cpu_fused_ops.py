@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.model import layers
 from nanoinfer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels could not be built here")
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.platforms.cpu.ops import cpu_ops, keep_freed_memory_for_reuse
+from nanoinfer.model.layers import ParallelLMHead, VocabParallelEmbedding
+from nanoinfer.model.linear import ColumnParallelLinear, GateUpParallelLinear, RowParallelLinear
 from nanoinfer.platforms.cpu.linear import (
     gated_linear,
     has_native_bfloat16_matmul,
@@ -22,8 +23,7 @@ from nanoinfer.platforms.cpu.linear import (
     packing_kind,
     prepack_linear_weights,
 )  # fmt: skip
-from nanoinfer.model.layers import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.model.linear import ColumnParallelLinear, GateUpParallelLinear, RowParallelLinear
+from nanoinfer.platforms.cpu.ops import cpu_ops, keep_freed_memory_for_reuse
 
 KINDS = [
     pytest.param("panels", marks=pytest.mark.skipif(cpu_ops() is None, reason="no C++ compiler here")),

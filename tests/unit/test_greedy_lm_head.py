@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.platforms.cpu.linear import linear, pack_greedy_lm_head, pack_weight
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None or not cpu_ops().amx_available(), reason="no AMX on this CPU")
 

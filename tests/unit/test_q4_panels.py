@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.platforms.cpu.linear import PackedWeight, gated_linear, linear, pack_weight
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None or cpu_ops().simd != "avx512",
                                 reason="the GEMM expands 4-bit weights with AVX-512 only")  # fmt: skip

@@ -201,8 +201,8 @@ def test_weights_read_are_the_models_parameters_in_their_smallest_stored_form():
     import transformers
 
     from nanoinfer.attention.torch_backend import TorchBackend
-    from nanoinfer.platforms.cpu.linear import PackedWeight
     from nanoinfer.model.decoder import CausalLM
+    from nanoinfer.platforms.cpu.linear import PackedWeight
 
     hf_config = transformers.Qwen3Config(**{k: v for k, v in TINY.items() if k != "model_type"})
     model = CausalLM(hf_config, TorchBackend(), max_position=64).to(torch.bfloat16)

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.platforms.cpu.ops import keep_freed_memory_for_reuse
 from nanoinfer.distributed import set_tensor_parallel
 from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.platforms.cpu.ops import keep_freed_memory_for_reuse
 
 PARENT_POLL_S = 0.5
 

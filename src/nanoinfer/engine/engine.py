@@ -13,13 +13,13 @@ import torch
 
 from nanoinfer import memory
 from nanoinfer.config import Config
-from nanoinfer.platforms.cpu.ops import keep_freed_memory_for_reuse
 from nanoinfer.distributed.executor import TensorParallelExecutor
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import ModelRunner, kv_cache_dtype_of
 from nanoinfer.engine.ngram_proposer import NgramProposer
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Request, Sequence
+from nanoinfer.platforms.cpu.ops import keep_freed_memory_for_reuse
 
 logger = logging.getLogger("nanoinfer")
 

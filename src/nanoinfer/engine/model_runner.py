@@ -15,15 +15,15 @@ import torch
 from nanoinfer import memory
 from nanoinfer.attention.backend import get_backend
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.platforms.cpu.ops import cpu_ops
-from nanoinfer.platforms.cuda.cuda_graph import CUDAGraphCapturer, CUDAGraphRunner, graph_batch_sizes
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.platforms.cpu.linear import prepack_linear_weights
 from nanoinfer.model.decoder import CausalLM, head_dim_of
 from nanoinfer.model.layers import enable_triton_small_ops
 from nanoinfer.model.loader import load_weights
 from nanoinfer.model.sampler import Sampler
+from nanoinfer.platforms.cpu.linear import prepack_linear_weights
+from nanoinfer.platforms.cpu.ops import cpu_ops
+from nanoinfer.platforms.cuda.cuda_graph import CUDAGraphCapturer, CUDAGraphRunner, graph_batch_sizes
 
 # Config's dtype and kv_cache_dtype names (config.DTYPES, config.KV_CACHE_DTYPES, resolved) -> torch dtypes.
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

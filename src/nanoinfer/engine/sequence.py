@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoinfer.outputs import Logprob
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -19,13 +20,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-k alternatives (token_id, logprob), best first
 
 
 class Sequence:

@@ -12,7 +12,6 @@ from torch import nn
 from nanoinfer.attention.backend import AttentionBackend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.distributed import get_tp_size
-from nanoinfer.platforms.cpu.decode_runner import FusedDecode
 from nanoinfer.model.layers import (
     ParallelLMHead,
     RMSNorm,
@@ -20,6 +19,7 @@ from nanoinfer.model.layers import (
     VocabParallelEmbedding,
 )
 from nanoinfer.model.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.platforms.cpu.decode_runner import FusedDecode
 
 
 def head_dim_of(hf_config) -> int:

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from nanoinfer.platforms.cpu.linear import GreedyLMHead, PackedWeight, linear
+from nanoinfer.platforms.cpu.ops import cpu_ops
 
 logger = logging.getLogger("nanoinfer")
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed import all_reduce, get_tp_rank, get_tp_size
-from nanoinfer.platforms.cpu.linear import PackedWeight, gated_linear, linear
 from nanoinfer.model.layers import silu_and_mul
+from nanoinfer.platforms.cpu.linear import PackedWeight, gated_linear, linear
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:

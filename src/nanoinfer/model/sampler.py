@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.outputs import Logprob
 from nanoinfer.platforms.cpu.ops import cpu_ops
-from nanoinfer.engine.sequence import Logprob, Sequence
 from nanoinfer.structured_output import apply_grammar_bitmask, fill_grammar_bitmask
 
 

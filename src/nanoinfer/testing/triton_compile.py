@@ -92,7 +92,12 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
 
 
 def _cases() -> dict[str, Callable[[], None]]:
-    from nanoinfer.platforms.cuda.kernels import fused_ops, paged_decode_attention, paged_prefill_attention, store_kvcache
+    from nanoinfer.platforms.cuda.kernels import (
+        fused_ops,
+        paged_decode_attention,
+        paged_prefill_attention,
+        store_kvcache,
+    )
 
     def attention(dtype, cache_dtype, head_dim=128, group=2, variants=False):
         def run():
