@@ -1,4 +1,4 @@
-"""Which attention backend runs where (backend.select_backend / get_backend), and FlashAttnBackend's
+"""Which attention backend runs where (backend.select_backend / Platform.attention_backend), and FlashAttnBackend's
 calls into flash-attn, checked against a stand-in module since flash-attn does not install on CPU machines.
 """
 
@@ -73,10 +73,12 @@ def test_forced_names_that_can_run_are_kept(installed):
     assert backend.select_backend("torch", "cuda", "bfloat16") == ("torch", "set")
 
 
-def test_get_backend_builds_the_named_backend():
+def test_the_platform_builds_the_named_backend():
     pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
-    assert backend.get_backend("torch").name == "torch"
-    assert backend.get_backend("triton").name == "triton"  # builds without touching the device
+    from nanoinfer.platforms.cuda import CudaPlatform
+
+    assert CudaPlatform().attention_backend("torch").name == "torch"
+    assert CudaPlatform().attention_backend("triton").name == "triton"  # builds without touching the device
 
 
 # --- FlashAttnBackend against a stand-in flash_attn ---------------------------------------------------
@@ -161,7 +163,9 @@ def test_flash_attn_backend_calls_match_the_reference(monkeypatch, installed, pa
     calls = []
     monkeypatch.setitem(sys.modules, "flash_attn", make_fake_flash_attn(calls))
     installed(flash_attn=True, triton=True)
-    attn = backend.get_backend("flash-attn")
+    from nanoinfer.platforms.cuda import CudaPlatform
+
+    attn = CudaPlatform().attention_backend("flash-attn")
     assert attn.name == "flash-attn"
     batch = paged_batch(specs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=256, dtype=torch.bfloat16)
     store_kvcache_reference(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
 
 from nanoinfer.model.layers import RMSNorm, RotaryEmbedding
-from nanoinfer.model.layers import silu_and_mul as torch_silu_and_mul
+from nanoinfer.platforms import Platform
 from nanoinfer.platforms.cuda.kernels import fused_ops
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -22,11 +22,12 @@ DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, i
 
 @pytest.fixture(autouse=True)
 def torch_small_ops_on_cpu(monkeypatch):
-    """The reference is layers.py's torch code: on CPU, bfloat16 would otherwise take the C++ kernels
-    (csrc/fused_ops.cpp, tested in tests/unit/test_cpu_fused_ops.py), and their rotary works in place."""
-    from nanoinfer.model import layers
+    """The reference is the plain-torch platform's ops (platforms/interface.py), which layers built here bind to:
+    on CPU, bfloat16 would otherwise take the C++ kernels (csrc/fused_ops.cpp, tested in
+    tests/unit/test_cpu_fused_ops.py), and their rotary works in place."""
+    from nanoinfer import platforms
 
-    monkeypatch.setattr(layers, "_fused_ops", lambda x: None)
+    monkeypatch.setattr(platforms, "_current", platforms.Platform())
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -80,7 +81,7 @@ def test_rms_norm_per_head_on_a_strided_view(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(device, dtype):
     x = (torch.randn(6, 2 * 1500, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)  # two column tiles
-    close(fused_ops.silu_and_mul(x.to(device)), torch_silu_and_mul(x))
+    close(fused_ops.silu_and_mul(x.to(device)), Platform().silu_and_mul(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -109,11 +110,12 @@ def test_float32_is_refused_so_the_exact_path_stays_torch(device):
 
 
 def test_the_model_runs_its_small_ops_through_the_kernels_where_they_apply(tmp_path, monkeypatch):
-    """The wiring in model/layers.py: a bfloat16 Qwen3 (q/k norms on strided head views, fused residual norms,
-    rotary, SiLU) with the Triton small ops standing in for torch's (on CPU under the interpreter, where the
-    gate would otherwise keep torch): every op goes through a kernel, and the logits stay close to torch's."""
+    """The wiring through the platform's ops: a bfloat16 Qwen3 (q/k norms on strided head views, fused residual
+    norms, rotary, SiLU) with the Triton small ops standing in for torch's (on CPU under the interpreter, where the
+    CUDA platform's gate would otherwise keep torch): every op goes through a kernel, and the logits stay close to
+    torch's."""
     from nanoinfer import LLM, SamplingParams
-    from nanoinfer.model import layers
+    from nanoinfer.platforms import Platform
     from nanoinfer.testing.tiny_models import build_tiny_model
 
     path = build_tiny_model("qwen3", tmp_path / "qwen3", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
@@ -121,6 +123,30 @@ def test_the_model_runs_its_small_ops_through_the_kernels_where_they_apply(tmp_p
     llm = LLM(str(path), device="cpu", dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.05)
     prompts = [[5, 9, 200, 31, 7, 64, 2, 300], [17, 4, 99]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    engine_platform = type(llm.engine.platform)
+
+    def use_small_ops(ops) -> None:
+        """Every module's platform becomes the engine's with its small ops replaced by `ops`'."""
+
+        class WithSmallOps(engine_platform):
+            def rms_norm(self, x, weight, eps, residual=None):
+                return ops.rms_norm(x, weight, eps, residual)
+
+            def silu_and_mul(self, x):
+                return ops.silu_and_mul(x)
+
+            def rotary_embedding(self, positions, q, k, cos, sin):
+                return ops.rotary_embedding(positions, q, k, cos, sin)
+
+        platform = WithSmallOps.__new__(WithSmallOps)
+        platform.__dict__.update(llm.engine.platform.__dict__)
+        for module in llm.engine.model_runner.model.modules():
+            if hasattr(module, "platform"):
+                module.platform = platform
+
+    plain = Platform()
+    use_small_ops(SimpleNamespace(rms_norm=plain.rms_norm, silu_and_mul=plain.silu_and_mul,
+                                  rotary_embedding=plain.rotary_embedding))  # fmt: skip
     torch_out = llm.generate(prompts, params)
 
     calls = []
@@ -133,7 +159,7 @@ def test_the_model_runs_its_small_ops_through_the_kernels_where_they_apply(tmp_p
         return call
 
     spies = SimpleNamespace(**{n: spy(n) for n in ("rms_norm", "silu_and_mul", "rotary_embedding")})
-    monkeypatch.setattr(layers, "_triton_ops", lambda x: spies if x.dtype == torch.bfloat16 else None)
+    use_small_ops(spies)
     triton_out = llm.generate(prompts, params)
 
     # Per forward: 2 layers x (input norm, q norm, k norm, post-attention norm) + the final norm; rotary and
@@ -154,15 +180,17 @@ def test_the_model_runs_its_small_ops_through_the_kernels_where_they_apply(tmp_p
 
 
 def test_the_start_up_check_runs_every_kernel_and_reports_a_failure_in_one_line(device, monkeypatch):
-    """enable_triton_small_ops compiles and runs each kernel once before the engine relies on them; a failure
-    (a Triton or driver this code was not tried with) keeps torch's ops instead of stopping the engine."""
-    from nanoinfer.model import layers
+    """The CUDA platform compiles and runs each kernel once before the engine relies on them; a failure (a Triton
+    or driver this code was not tried with) keeps torch's ops instead of stopping the engine."""
+    from nanoinfer.platforms.cuda import CudaPlatform, check_small_ops
 
-    assert layers.check_small_ops(device, torch.bfloat16) is None
+    assert check_small_ops(device, torch.bfloat16) is None
 
     def broken(*args, **kwargs):
         raise RuntimeError("PassManager::run failed\nlong compiler log")
 
     monkeypatch.setattr(fused_ops, "rotary_embedding", broken)
-    assert layers.check_small_ops(device, torch.bfloat16) == "RuntimeError: PassManager::run failed"
-    assert layers.enable_triton_small_ops(torch.device("cpu"), torch.bfloat16) is False  # CPU: never used
+    assert check_small_ops(device, torch.bfloat16) == "RuntimeError: PassManager::run failed"
+    platform = CudaPlatform("bfloat16")
+    platform.prepare_model(torch.nn.Linear(64, 64).to(device=device, dtype=torch.bfloat16))
+    assert platform.triton_small_ops is False  # torch's ops for the whole engine

@@ -190,11 +190,12 @@ def test_fp8_cache_through_the_triton_kernels_is_close_to_a_bfloat16_cache_by_lo
     if device != "cpu":
         pytest.skip("the engine on CPU with the Triton backend is the interpreter's check; on CUDA tests/gpu run it")
     from nanoinfer import LLM, SamplingParams
-    from nanoinfer.engine import model_runner
+    from nanoinfer.platforms.cpu import CpuKernelPlatform, CpuPlatform
     from nanoinfer.testing.hf_reference import check_logprobs_close
     from nanoinfer.testing.tiny_models import build_tiny_model
 
-    monkeypatch.setattr(model_runner, "get_backend", lambda name: TritonBackend())  # CPU tensors, Triton kernels
+    for platform in (CpuPlatform, CpuKernelPlatform):  # CPU tensors, Triton kernels
+        monkeypatch.setattr(platform, "attention_backend", lambda self, name: TritonBackend())
     path = build_tiny_model("qwen3", tmp_path / "qwen3")
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(12 + 5 * i)] for i in range(8)]  # 12..47 tokens
     settings = dict(dtype="bfloat16", device="cpu", max_model_len=256, cpu_kvcache_space_gib=0.05,

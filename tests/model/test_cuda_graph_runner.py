@@ -77,7 +77,7 @@ def test_graph_memory_is_measured_even_though_capture_empties_the_allocator_cach
     go back to the driver during the capture and used to cancel out the graphs' own pool (an H200 run
     measured 0 bytes). A fake allocator replays that: 300 MiB cached, a 40 MiB graph pool, 2 MiB of
     instantiated graphs outside the allocator."""
-    from nanoinfer.engine import engine
+    from nanoinfer.platforms.cuda import memory_planning as engine
 
     mib = 2**20
     gpu = {"live": 1000 * mib, "cached": 300 * mib, "pool": 0, "driver": 0, "total": 10_000 * mib}

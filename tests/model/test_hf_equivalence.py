@@ -118,7 +118,7 @@ def test_fused_cpu_decode_is_bit_identical_to_the_layer_loop(tiny_model_dirs, re
     assert [out.token_ids for out in fused] == expected
     vectorized = cpu_ops() is not None and cpu_ops().vectorized
     assert bool(calls) == (vectorized and family != "qwen3")  # every decode step, where the path applies
-    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda model, kv_caches: False))
+    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda *args: False))
     looped = LLM(str(tiny_model_dirs[family]), **settings).generate(prompts, params)
     assert [out.token_ids for out in looped] == expected
     for a, b in zip(fused, looped):
@@ -143,7 +143,7 @@ def test_fused_cpu_decode_in_bfloat16_on_amx_is_bit_identical_to_the_layer_loop(
     monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or original(self, *a))
     fused = LLM(str(tiny_model_dirs[family]), **settings).generate(prompts, params)
     assert calls  # every decode step
-    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda model, kv_caches: False))
+    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda *args: False))
     looped = LLM(str(tiny_model_dirs[family]), **settings).generate(prompts, params)
     for a, b in zip(fused, looped):
         assert a.token_ids == b.token_ids
@@ -221,7 +221,7 @@ def test_exact_4bit_weights_give_transformers_tokens(tmp_path, monkeypatch):
     assert all((m.packed_weight.compact_amx is not None) == cpu_ops().amx_available() for m in projections)
     fused = llm.generate(prompts, params)
     assert [out.token_ids for out in fused] == expected
-    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda model, kv_caches: False))
+    monkeypatch.setattr(FusedDecode, "applies", staticmethod(lambda *args: False))
     looped = LLM(str(path), **settings).generate(prompts, params)
     monkeypatch.setattr("nanoinfer.platforms.cpu.linear.pack_compact", lambda weight, gated: None)
     plain = LLM(str(path), **settings).generate(prompts, params)
@@ -235,11 +235,12 @@ def test_exact_4bit_weights_give_transformers_tokens(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlp_row_chunks_match_transformers(tiny_model_dirs, references, family, monkeypatch):
-    """A long prefill's MLP runs in row chunks on CPU (decoder.CPU_MLP_CHUNK_BYTES); at the 64-row floor
+    """A long prefill's MLP runs in row chunks on CPU (the platform's mlp_chunk_bytes); at the 64-row floor
     the 2,052-token step of 16 prompts runs in 33 chunks, the last of 4 rows, and must not change a token."""
     import nanoinfer.model.decoder as decoder
+    from nanoinfer.platforms.cpu import CpuPlatform
 
-    monkeypatch.setattr(decoder, "CPU_MLP_CHUNK_BYTES", 1)
+    monkeypatch.setattr(CpuPlatform, "mlp_chunk_bytes", 1)
     calls = []
     original = decoder.MLP._forward
     monkeypatch.setattr(decoder.MLP, "_forward", lambda self, x: calls.append(x.shape[0]) or original(self, x))
@@ -344,7 +345,7 @@ def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(tiny_model_dirs, f
     ("bfloat16", torch.bfloat16, 2, 5), ("fp8_e4m3", torch.float8_e4m3fn, 4, 5), ("fp8_e5m2", torch.float8_e5m2, 4, 10),
 ])  # fmt: skip
 def test_narrower_kv_cache_is_close_to_transformers_by_logprobs(
-    tiny_model_dirs, references, family, kv_cache_dtype, torch_dtype, shrink, top_k
+    tiny_model_dirs, references, family, kv_cache_dtype, torch_dtype, shrink, top_k, monkeypatch
 ):
     """kv_cache_dtype bfloat16 / fp8 under a float32 model, with chunked prefill (later chunks read the rounded
     cache), against transformers in float32 by vLLM's check_logprobs_close rule (where the two first differ,
@@ -369,8 +370,11 @@ def test_narrower_kv_cache_is_close_to_transformers_by_logprobs(
     if torch_dtype == torch.bfloat16:
         assert diverged <= 4, f"{diverged}/8 sequences diverged"
     elif cpu_ops() is not None:
-        torch_path = LLM(str(path), kv_cache_dtype=kv_cache_dtype, **settings)
-        torch_path.engine.model_runner.backend.use_cpu_kernel = False
+        from nanoinfer.attention.torch_backend import TorchBackend
+        from nanoinfer.platforms.cpu import CpuKernelPlatform
+
+        monkeypatch.setattr(CpuKernelPlatform, "attention_backend", lambda self, name: TorchBackend())
+        torch_path = LLM(str(path), kv_cache_dtype=kv_cache_dtype, **settings)  # the C++ GEMMs, torch's attention
         assert [o.token_ids for o in torch_path.generate(prompts[:8], params)] == [o.token_ids for o in outputs]
     full = LLM(str(path), **settings).engine.plan
     assert llm.engine.plan.block_bytes * shrink == full.block_bytes

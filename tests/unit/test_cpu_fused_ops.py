@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.model import layers
-from nanoinfer.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from nanoinfer.model.layers import RMSNorm, RotaryEmbedding
+from nanoinfer.platforms import Platform
+from nanoinfer.platforms.cpu import CpuKernelPlatform
 from nanoinfer.platforms.cpu.ops import cpu_ops
+from nanoinfer.platforms.interface import _rotate_half
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels could not be built here")
 
@@ -89,8 +91,8 @@ def test_rotary_in_place_on_qkv_views_matches_torch(tiny_hf_config, head_dim):
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     positions = torch.tensor([0, 1, 5, 64, 100, 255, 299])
     cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
-    expected_q = q * cos + layers._rotate_half(q) * sin
-    expected_k = k * cos + layers._rotate_half(k) * sin
+    expected_q = q * cos + _rotate_half(q) * sin
+    expected_k = k * cos + _rotate_half(k) * sin
     out_q, out_k = rotary(positions, q, k)
     assert out_q.data_ptr() == q.data_ptr()  # rotated in place, in the qkv buffer
     torch.testing.assert_close(out_q, expected_q, rtol=1e-5, atol=1e-5)
@@ -112,25 +114,29 @@ def test_bfloat16_rotary_rounds_as_the_torch_ops_do(tiny_hf_config, head_dim, nu
     positions = torch.randint(0, 300, (num_tokens,), generator=gen)
     cos = rotary.cos[positions].unsqueeze(1).bfloat16()
     sin = rotary.sin[positions].unsqueeze(1).bfloat16()
-    expected_q = q * cos + layers._rotate_half(q) * sin
-    expected_k = k * cos + layers._rotate_half(k) * sin
+    expected_q = q * cos + _rotate_half(q) * sin
+    expected_k = k * cos + _rotate_half(k) * sin
     out_q, out_k = rotary(positions, q, k)
     assert torch.equal(out_q.view(torch.int16), expected_q.view(torch.int16))
     assert torch.equal(out_k.view(torch.int16), expected_k.view(torch.int16))
 
 
-def test_layers_fall_back_to_torch_without_kernels(monkeypatch):
-    """Other dtypes and a machine without a compiler take the torch formulas, with the same results."""
-    norm = RMSNorm(64, 1e-5)
-    torch.nn.init.normal_(norm.weight)
-    x, residual = torch.randn(5, 64), torch.randn(5, 64)
-    fused_out, fused_res = norm(x.clone(), residual.clone())
-    monkeypatch.setattr(layers, "cpu_ops", lambda: None)
-    out, res = norm(x.clone(), residual.clone())
+def test_the_kernel_platform_matches_plain_torch_and_falls_back_where_its_kernels_do_not_apply():
+    """The C++ ops give the plain-torch platform's results in float32; other dtypes (float16) take the torch
+    formulas themselves, bit for bit."""
+    kernels, plain = CpuKernelPlatform(cpu_ops()), Platform()
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, generator=gen)
+    x, residual = torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    fused_out, fused_res = kernels.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+    out, res = plain.rms_norm(x.clone(), weight, 1e-5, residual.clone())
     torch.testing.assert_close(out, fused_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(res, fused_res, rtol=0, atol=0)
-    gate_up = torch.randn(3, 32)
-    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate_up[:, :16]) * gate_up[:, 16:])
+    gate_up = torch.randn(3, 32, generator=gen)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate_up[:, :16]) * gate_up[:, 16:])
+    half = x.half(), weight.half()
+    assert torch.equal(kernels.rms_norm(*half, 1e-5), plain.rms_norm(*half, 1e-5))
+    assert torch.equal(kernels.silu_and_mul(gate_up.half()), plain.silu_and_mul(gate_up.half()))
 
 
 def _bf16_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -142,7 +148,7 @@ def _bf16_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((diff > 0).float().mean())
 
 
-def test_bfloat16_kernels_round_as_the_torch_formulas(monkeypatch, tiny_hf_config):
+def test_bfloat16_kernels_round_as_the_torch_formulas(tiny_hf_config):
     """In bfloat16 the C++ RMSNorm (plain and fused with the residual add), SiLU-and-mul and rotary round
     where the torch ops (HF's modules) round: all but a rare element equal (the float32 sum of squares in
     another order), none more than a step apart."""
@@ -157,16 +163,16 @@ def test_bfloat16_kernels_round_as_the_torch_formulas(monkeypatch, tiny_hf_confi
     positions = torch.tensor([0, 1, 5, 64, 100, 255, 299])
 
     @torch.no_grad()
-    def run():
+    def run(platform):
+        norm.platform = rotary.platform = platform
         plain = norm(x.clone())
         fused, fused_res = norm(x.clone(), residual.clone())
         q, k = qkv.clone()[:, : 4 * 64].view(7, 4, 64), qkv.clone()[:, 4 * 64 : 6 * 64].view(7, 2, 64)
         rq, rk = rotary(positions, q, k)
-        return [plain, fused, fused_res, silu_and_mul(gate_up), rq, rk]
+        return [plain, fused, fused_res, platform.silu_and_mul(gate_up), rq, rk]
 
-    kernel = run()
-    monkeypatch.setattr(layers, "cpu_ops", lambda: None)
-    reference = run()
+    kernel = run(CpuKernelPlatform(cpu_ops()))
+    reference = run(Platform())
     assert torch.equal(kernel[2], reference[2])  # the residual sum: one rounding, exact
     rates = [_bf16_mismatch(a, b) for a, b in zip(kernel, reference)]
     assert max(rates) < 0.01, rates
@@ -208,14 +214,14 @@ def test_greedy_argmax_reads_strided_rows():
     assert torch.equal(cpu_ops().greedy_argmax(logits), torch.argmax(logits, dim=-1))
 
 
-def test_sampler_argmax_falls_back_to_torch_off_the_kernel():
+def test_the_platform_argmax_falls_back_to_torch_off_the_kernel():
     """The kernel takes float32 and bfloat16 CPU rows; other dtypes (and empty vocabularies) stay on
     torch.argmax."""
-    from nanoinfer.model.sampler import _argmax
-
+    argmax = CpuKernelPlatform(cpu_ops()).argmax
+    gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        logits = torch.randn(4, 50).to(dtype)
-        assert torch.equal(_argmax(logits), torch.argmax(logits.float(), dim=-1))
+        logits = torch.randn(4, 50, generator=gen).to(dtype)
+        assert torch.equal(argmax(logits), torch.argmax(logits.float(), dim=-1))
 
 
 def test_kernels_are_built_with_this_environments_ninja(monkeypatch, tmp_path):

@@ -74,7 +74,7 @@ def test_packed_weights_sit_on_huge_page_boundaries_and_the_cpu_kv_cache_on_ordi
     # Every packed tensor over 2 MiB starts on a huge page (the smaller ones, e.g. a 1.1 MB qkv weight, need not).
     assert all(t.data_ptr() % _HUGE == 0 for t in packed if t.numel() * t.element_size() >= _HUGE)
     assert any(t.numel() * t.element_size() >= _HUGE for t in packed)
-    # The cache is not asked for huge pages (engine/model_runner.py says why): where Linux grants them only on
+    # The cache is not asked for huge pages (platforms/cpu/kv_cache.py says why): where Linux grants them only on
     # request ("madvise", the common setting), none of its layers holds one after a request wrote into it.
     llm.generate([[1, 2, 3] * 20], SamplingParams(max_tokens=8))
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")

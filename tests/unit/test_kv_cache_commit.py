@@ -1,5 +1,5 @@
-"""ModelRunner.commit_new_blocks: the CPU KV cache is committed a whole block at a time, at the block's first
-write, and never again (a second commit would wipe the rows already stored there)."""
+"""LazyKVCache.commit_new_blocks (platforms/cpu/kv_cache.py): the CPU KV cache is committed a whole block at a
+time, at the block's first write, and never again (a second commit would wipe the rows already stored there)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ def llm(default_model_dir):
 def test_fresh_blocks_are_zeroed_in_every_layer_and_written_blocks_are_left_alone(llm):
     runner = llm.engine.model_runner
     bs = runner.block_size
-    runner.committed.zero_()
+    runner.kv_cache.committed.zero_()
     for k_cache, v_cache in runner.kv_caches:
         k_cache[:4].fill_(7.0)
         v_cache[:4].fill_(7.0)
-    runner.committed[1] = True  # block 1 holds rows already: a commit must not touch it
+    runner.kv_cache.committed[1] = True  # block 1 holds rows already: a commit must not touch it
     # A step writing into blocks 1 and 2, and a padded row (-1) that writes nothing.
-    runner.commit_new_blocks(torch.tensor([bs + 5, 2 * bs, 2 * bs + 1, -1]))
-    assert runner.committed.tolist() == [False, True, True] + [False] * (runner.num_blocks - 3)
+    runner.kv_cache.commit_new_blocks(torch.tensor([bs + 5, 2 * bs, 2 * bs + 1, -1]))
+    assert runner.kv_cache.committed.tolist() == [False, True, True] + [False] * (runner.num_blocks - 3)
     for k_cache, v_cache in runner.kv_caches:
         for cache in (k_cache, v_cache):
             assert bool((cache[2] == 0).all())  # fresh: committed whole
@@ -34,12 +34,12 @@ def test_fresh_blocks_are_zeroed_in_every_layer_and_written_blocks_are_left_alon
 def test_a_run_commits_the_blocks_its_sequences_hold_and_no_others(llm):
     runner = llm.engine.model_runner
     runner.allocate_kv_cache(runner.num_blocks)  # a fresh cache: nothing committed
-    assert not bool(runner.committed.any())
+    assert not bool(runner.kv_cache.committed.any())
     prompts = [[1, 2, 3] * 100, [4, 5] * 20]  # 300 tokens + 8 outputs: 2 blocks; 40 + 8: 1 block
     first = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert int(runner.committed.sum()) == 3 < runner.num_blocks
+    assert int(runner.kv_cache.committed.sum()) == 3 < runner.num_blocks
     # A second run takes the freed blocks again (the prompt's full first block from the prefix cache, the
     # others from the free list's head): nothing more to commit, and the same tokens.
     again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    assert int(runner.committed.sum()) == 3
+    assert int(runner.kv_cache.committed.sum()) == 3

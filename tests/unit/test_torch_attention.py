@@ -8,7 +8,14 @@ import torch
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.reference import paged_attention_reference, store_kvcache_reference
 from nanoinfer.attention.torch_backend import TorchBackend, _StepPlan
+from nanoinfer.platforms.cpu.attention import CpuAttentionBackend
 from nanoinfer.platforms.cpu.ops import cpu_ops
+
+
+def make_backend(use_kernel: bool = True):
+    """The CPU backend on the C++ kernels (where they are built), or the plain-torch one."""
+    ops = cpu_ops() if use_kernel else None
+    return CpuAttentionBackend(ops) if ops is not None else TorchBackend()
 
 
 def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
@@ -61,7 +68,7 @@ def test_torch_backend_matches_reference_float32(use_kernel, heads, case):
     num_heads, num_kv_heads = heads
     query, k_cache, v_cache, metadata = make_batch(*case, num_heads, num_kv_heads, 64, 256, torch.float32)
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
-    got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
+    got = make_backend(use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
@@ -90,7 +97,7 @@ def test_cpu_prefill_kernel_matches_reference(case, heads, head_dim):
     query = fused[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
     assert not query.is_contiguous()
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, head_dim**-0.5)
-    got = TorchBackend().forward(query, k_cache, v_cache, metadata, head_dim**-0.5)
+    got = make_backend().forward(query, k_cache, v_cache, metadata, head_dim**-0.5)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
@@ -103,8 +110,8 @@ def test_cpu_prefill_kernel_narrow_types_match_the_torch_path(dtype, cache_dtype
         pytest.skip("no C++ compiler for the CPU kernel")
     query, k_cache, v_cache, metadata = make_batch(*PREFILL_CASES[1], 9, 3, 64, 256, dtype)
     k_cache, v_cache = k_cache.float().to(cache_dtype), v_cache.float().to(cache_dtype)
-    got = TorchBackend().forward(query, k_cache, v_cache, metadata, 0.125)
-    expected = TorchBackend(use_cpu_kernel=False).forward(query, k_cache, v_cache, metadata, 0.125)
+    got = make_backend().forward(query, k_cache, v_cache, metadata, 0.125)
+    expected = TorchBackend().forward(query, k_cache, v_cache, metadata, 0.125)
     assert got.dtype == dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -124,7 +131,7 @@ def test_unwritten_cache_slots_are_never_read(use_kernel):
         for t in range(length):
             written[metadata.block_tables[i, t // 256], t % 256] = True
     k_cache[~written], v_cache[~written] = float("nan"), float("nan")
-    got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
+    got = make_backend(use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
@@ -133,7 +140,7 @@ def test_cpu_kernel_bfloat16_close_to_reference():
         pytest.skip("no C++ compiler for the CPU kernel")
     query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [5, 300, 600], 9, 3, 64, 256, torch.bfloat16)
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
-    got = TorchBackend().forward(query, k_cache, v_cache, metadata, 0.125)
+    got = make_backend().forward(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -145,7 +152,7 @@ def test_store_kvcache_matches_reference_and_skips_padding_slots(use_kernel, dty
     key, value = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
     slots = torch.tensor([0, 7, -1, 300, 511])
     caches = [torch.zeros(2, 256, 2, 8, dtype=dtype) for _ in range(4)]
-    TorchBackend(use_cpu_kernel=use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
+    make_backend(use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
     store_kvcache_reference(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].abs().sum() > 0 and caches[1].abs().sum() > 0
@@ -159,7 +166,7 @@ def test_store_kvcache_of_a_prefill_step_matches_reference(use_kernel):
     slots = torch.randperm(4 * 256)[:600]
     slots[::7] = -1
     caches = [torch.zeros(4, 256, 2, 8) for _ in range(4)]
-    TorchBackend(use_cpu_kernel=use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
+    make_backend(use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
     store_kvcache_reference(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     bad = slots.clone()
@@ -167,7 +174,7 @@ def test_store_kvcache_of_a_prefill_step_matches_reference(use_kernel):
     if use_kernel and cpu_ops() is not None:
         fresh = [torch.zeros(4, 256, 2, 8) for _ in range(2)]
         with pytest.raises(RuntimeError, match="outside the cache"):
-            TorchBackend().store_kvcache(key, value, fresh[0], fresh[1], bad)
+            make_backend().store_kvcache(key, value, fresh[0], fresh[1], bad)
         assert fresh[0].abs().sum() == 0
 
 
@@ -195,7 +202,7 @@ def test_store_kvcache_converts_to_the_cache_dtype_as_torch_does(use_kernel, dty
     key, value = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
     slots = torch.tensor([0, 7, -1, 300, 511])
     caches = [torch.zeros(2, 256, 2, 8, dtype=cache_dtype) for _ in range(4)]
-    TorchBackend(use_cpu_kernel=use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
+    make_backend(use_kernel).store_kvcache(key, value, caches[0], caches[1], slots)
     limit = torch.finfo(cache_dtype).max if cache_dtype in FP8 else float("inf")
     rounded = [x.float().clamp(-limit, limit).to(cache_dtype) for x in (key, value)]
     store_kvcache_reference(*rounded, caches[2], caches[3], slots)
@@ -220,7 +227,7 @@ def test_float32_queries_over_a_narrower_cache_match_the_reference(use_kernel, c
     k_cache[0, :8] *= 0.005  # fp8 subnormals (below 2^-6 in e4m3) among the keys read
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
-    got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
+    got = make_backend(use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
@@ -235,12 +242,12 @@ def test_a_fresh_prompt_attends_to_its_keys_as_the_cache_holds_them(cache_dtype)
     key, value = torch.randn(40, 3, 64), torch.randn(40, 3, 64)
     table = metadata.block_tables[0].tolist()
     slots = torch.tensor([table[t // 256] * 256 + t % 256 for t in range(40)])
-    backend = TorchBackend(use_cpu_kernel=False)
+    backend = TorchBackend()
     backend.store_kvcache(key, value, k_cache, v_cache, slots)
     from_cache = backend.forward(query, k_cache, v_cache, metadata, 0.125)  # no new_kv: reads the cache
-    direct = TorchBackend(use_cpu_kernel=False).forward(query, k_cache, v_cache, metadata, 0.125, new_kv=(key, value))
+    direct = TorchBackend().forward(query, k_cache, v_cache, metadata, 0.125, new_kv=(key, value))
     torch.testing.assert_close(direct, from_cache, atol=2e-6, rtol=1e-6)
-    unrounded = TorchBackend(use_cpu_kernel=False).forward(
+    unrounded = TorchBackend().forward(
         query, k_cache.float(), v_cache.float(), metadata, 0.125, new_kv=(key, value)
     )
     assert not torch.allclose(unrounded, from_cache, atol=1e-4)  # the float32 keys would have differed
@@ -269,7 +276,7 @@ def test_cpu_kernel_store_refuses_a_slot_outside_the_cache():
         pytest.skip("no C++ compiler here")
     k_cache, v_cache = torch.zeros(2, 256, 2, 8), torch.zeros(2, 256, 2, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        TorchBackend().store_kvcache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), k_cache, v_cache, torch.tensor([512]))
+        make_backend().store_kvcache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), k_cache, v_cache, torch.tensor([512]))
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
@@ -282,7 +289,7 @@ def test_step_plan_is_per_step(use_kernel, monkeypatch):
     builds = []
     build = _StepPlan.build.__func__
     monkeypatch.setattr(_StepPlan, "build", classmethod(lambda cls, *a: builds.append(1) or build(cls, *a)))
-    backend = TorchBackend(use_cpu_kernel=use_kernel)
+    backend = make_backend(use_kernel)
     cases = CASES + [([1, 1], [9, 400]), ([5, 20], [5, 30])]  # + all decoding, none decoding
     for case in cases:
         query, k_cache, v_cache, metadata = make_batch(*case, 8, 2, 64, 256, torch.float32)
@@ -311,6 +318,6 @@ def test_bfloat16_queries_over_a_float32_cache_are_close_to_the_reference(use_ke
     query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [5, 300, 600], 9, 3, 64, 256, torch.float32)
     query = query.bfloat16()
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
-    got = TorchBackend(use_cpu_kernel=use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
+    got = make_backend(use_kernel).forward(query, k_cache, v_cache, metadata, 0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -46,7 +46,7 @@ def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str 
     auto -> flash-attn (CUDA, package installed, fp16/bf16, cache in the model's dtype) > triton (CUDA,
     package installed) > torch.
     A forced name that cannot run here is a ConfigError naming the fix. Config calls this while resolving,
-    so the engine only ever sees a name that runs."""
+    so the engine only ever sees a name that runs; the platform builds the backend (Platform.attention_backend)."""
 
     def problem(rule: str) -> ConfigError:
         return ConfigError([ConfigProblem("attention_backend", requested, rule)])
@@ -79,18 +79,3 @@ def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str 
     if requested == "triton" and not triton_available():
         raise problem("needs the triton package. Install triton, or use torch (or auto).")
     return requested, "set"
-
-
-def get_backend(name: str) -> AttentionBackend:
-    """The backend for a name select_backend returned (Config.attention_backend once resolved)."""
-    if name == "flash-attn":
-        from nanoinfer.platforms.cuda.flash_attn_backend import FlashAttnBackend
-
-        return FlashAttnBackend()
-    if name == "triton":
-        from nanoinfer.platforms.cuda.triton_backend import TritonBackend
-
-        return TritonBackend()
-    from nanoinfer.attention.torch_backend import TorchBackend
-
-    return TorchBackend()

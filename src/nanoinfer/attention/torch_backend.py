@@ -1,10 +1,8 @@
-"""The fast torch path (any device; the CPU default): batched decode over the paged cache, SDPA for prefill.
+"""The plain-torch backend (any device): batched decode over the paged cache, SDPA for prefill.
 
-Decode sequences (query_len 1) go to the C++ kernel of cpu_ops.py on CPU (reads the cache in place),
-elsewhere to one batched matmul over their gathered slots;
-prefill chunks go, on CPU, to the C++ prefill kernel (all of a step's chunks in one call, reading the cache
-in place), elsewhere one sequence at a time through SDPA (reading this step's keys directly when the
-sequence has no cached prefix). Checked against reference.py in the tests.
+Decode sequences (query_len 1) go to one batched matmul over their gathered slots; prefill chunks go one
+sequence at a time through SDPA (reading this step's keys directly when the sequence has no cached prefix).
+platforms/cpu/attention.py runs the same plan on the C++ kernels. Checked against reference.py in the tests.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.platforms.cpu.ops import cpu_ops
 
 
 @dataclass
@@ -75,16 +72,10 @@ class _StepPlan:
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool = True):
-        self.use_cpu_kernel = use_cpu_kernel
+    def __init__(self):
         self._plan: tuple[AttentionMetadata, _StepPlan] | None = None  # the current step's, by identity
 
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        kernel = cpu_ops() if self.use_cpu_kernel and key.device.type == "cpu" else None
-        kernel_dtypes = key.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_CACHE_DTYPES
-        if kernel is not None and kernel_dtypes and _rows_contiguous(key) and _rows_contiguous(value):
-            kernel.store_kvcache(key, value, k_cache, v_cache, slot_mapping)  # converts to the cache's dtype
-            return
         key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)  # rounded once here
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         k_flat = k_cache.view(num_slots, *k_cache.shape[2:])  # [num_slots, H_kv, D]
@@ -115,15 +106,7 @@ class TorchBackend:
         out = torch.empty_like(query)
         if plan.decode_ids:
             self._decode(query, k_cache, v_cache, plan, scale, out)
-        if not plan.prefill_ids:
-            return out
-        kernel = cpu_ops() if self.use_cpu_kernel and query.device.type == "cpu" else None
-        if (
-            kernel is not None and query.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_CACHE_DTYPES
-            and query.shape[-1] % 16 == 0 and k_cache.shape[1] % 64 == 0 and _rows_contiguous(query)
-        ):  # fmt: skip
-            # Every prompt chunk in one call, reading the keys this step just stored (csrc/prefill_attention.cpp).
-            kernel.paged_prefill(query, k_cache, v_cache, *plan.prefill_args(metadata), scale, out)
+        if not plan.prefill_ids or self._prefill_all(query, k_cache, v_cache, metadata, plan, scale, out):
             return out
         for i in plan.prefill_ids:
             self._prefill_one(
@@ -132,40 +115,42 @@ class TorchBackend:
             )
         return out
 
+    def _prefill_all(self, query, k_cache, v_cache, metadata, plan: _StepPlan, scale, out) -> bool:
+        """Attend every prompt chunk of the step at once into `out`, where a kernel can; False: one at a time."""
+        return False
+
     def _decode(self, query, k_cache, v_cache, plan: _StepPlan, scale, out):
-        block_size = k_cache.shape[1]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         rows = plan.decode_rows
         q = query if rows is None else query[rows]  # [B, H_q, D]
-        batch = q.shape[0]
-        group = q.shape[1] // num_kv_heads
-        kernel = cpu_ops() if self.use_cpu_kernel and query.device.type == "cpu" else None
-        if kernel is not None and query.dtype in _KERNEL_DTYPES and k_cache.dtype in _KERNEL_CACHE_DTYPES:
-            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-                q = q.contiguous()  # the kernel reads each token's heads as one row (any stride between tokens)
-            o = kernel.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
-        else:
-            lens = [plan.seq_lens[i] for i in plan.decode_ids]
-            max_len = max(lens)
-            num_blocks = -(-max_len // block_size)
-            tables = plan.decode_tables[:, :num_blocks].long()
-            offsets = torch.arange(block_size, device=query.device)
-            slots = (tables.unsqueeze(-1) * block_size + offsets).view(batch, -1)[:, :max_len]  # [B, L]
-            k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)  # [B, L, H_kv, D]
-            v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)
-            q = q.view(batch, num_kv_heads, group, head_dim)
-            scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, H_kv, G, L]
-            if min(lens) < max_len:
-                lens_t = torch.tensor(lens, device=query.device)
-                pad = torch.arange(max_len, device=query.device).unsqueeze(0) >= lens_t.unsqueeze(1)  # [B, L]
-                scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-                v = v.masked_fill(pad[:, :, None, None], 0)  # padded slots may be unwritten (NaN * 0 = NaN)
-            probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-            o = torch.matmul(probs, v.permute(0, 2, 1, 3)).reshape(batch, -1, head_dim)  # [B, H_q, D]
+        o = self._decode_attention(q, k_cache, v_cache, plan, scale)
         if rows is None:
             out.copy_(o)
         else:
             out[rows] = o
+
+    def _decode_attention(self, q, k_cache, v_cache, plan: _StepPlan, scale) -> torch.Tensor:
+        """The decode sequences' attention [B, H_q, D] for their queries q [B, H_q, D]."""
+        block_size = k_cache.shape[1]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        batch = q.shape[0]
+        group = q.shape[1] // num_kv_heads
+        lens = [plan.seq_lens[i] for i in plan.decode_ids]
+        max_len = max(lens)
+        num_blocks = -(-max_len // block_size)
+        tables = plan.decode_tables[:, :num_blocks].long()
+        offsets = torch.arange(block_size, device=q.device)
+        slots = (tables.unsqueeze(-1) * block_size + offsets).view(batch, -1)[:, :max_len]  # [B, L]
+        k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)  # [B, L, H_kv, D]
+        v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)
+        q = q.view(batch, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, H_kv, G, L]
+        if min(lens) < max_len:
+            lens_t = torch.tensor(lens, device=q.device)
+            pad = torch.arange(max_len, device=q.device).unsqueeze(0) >= lens_t.unsqueeze(1)  # [B, L]
+            scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+            v = v.masked_fill(pad[:, :, None, None], 0)  # padded slots may be unwritten (NaN * 0 = NaN)
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        return torch.matmul(probs, v.permute(0, 2, 1, 3)).reshape(batch, -1, head_dim)  # [B, H_q, D]
 
     def _prefill_one(self, query, k_cache, v_cache, metadata, scale, i, starts, q_len, seq_len, new_kv, out):
         start, end = starts[i], starts[i] + q_len
@@ -198,18 +183,9 @@ class TorchBackend:
         out[start:end] = o[0].transpose(0, 1)
 
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the queries and keys the C++ kernels take
-_KERNEL_CACHE_DTYPES = _KERNEL_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)  # the caches they read/write
-
-
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x rounded into a KV cache of `dtype`, as the C++ store rounds it. fp8 (scale 1) saturates at the largest
     finite value, as vLLM's caches do: e4m3's cast already saturates, e5m2's would give inf."""
     if dtype == torch.float8_e5m2:
         x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
     return x.to(dtype)
-
-
-def _rows_contiguous(x: torch.Tensor) -> bool:
-    """[T, H, D] whose rows (H x D) are contiguous, at any row stride (views of the fused qkv output)."""
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

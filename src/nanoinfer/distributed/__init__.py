@@ -41,3 +41,15 @@ def all_gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
     shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(shards, tensor.contiguous())
     return torch.cat(shards, dim=-1)
+
+
+def make_executor(config, num_blocks: int):
+    """What runs the model for an engine: a ModelRunner in this process, or with tensor_parallel_size > 1 the
+    executor that runs rank 0 here and the other ranks in worker processes (the same surface, close() included)."""
+    if config.tensor_parallel_size > 1:
+        from nanoinfer.distributed.executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config, num_blocks)
+    from nanoinfer.engine.model_runner import ModelRunner
+
+    return ModelRunner(config, num_blocks)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.distributed import set_tensor_parallel
 from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.platforms.cpu.ops import keep_freed_memory_for_reuse
+from nanoinfer.platforms import select_platform_for
 
 PARENT_POLL_S = 0.5
 
@@ -109,9 +109,7 @@ def _build_runner(args: WorkerArgs) -> ModelRunner:
     config = args.config
     if args.backend == "nccl":
         torch.cuda.set_device(args.rank)
-    else:
-        torch.set_num_threads(args.num_threads)
-        keep_freed_memory_for_reuse()
+    select_platform_for(config).setup_process(config, num_threads=args.num_threads)
     store = dist.TCPStore("127.0.0.1", args.store_port, args.tp_size, is_master=False,
                           timeout=timedelta(seconds=args.timeout_s))
     dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.tp_size,

@@ -4,22 +4,19 @@ the sampled tokens, returning the requests that finished. Sizes the KV cache thr
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent import futures
 from dataclasses import dataclass
 
-import torch
-
 from nanoinfer import memory
 from nanoinfer.config import Config
-from nanoinfer.distributed.executor import TensorParallelExecutor
+from nanoinfer.distributed import make_executor
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.model_runner import ModelRunner, kv_cache_dtype_of
+from nanoinfer.engine.model_runner import kv_cache_dtype_of
 from nanoinfer.engine.ngram_proposer import NgramProposer
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Request, Sequence
-from nanoinfer.platforms.cpu.ops import keep_freed_memory_for_reuse
+from nanoinfer.platforms import select_platform_for
 
 logger = logging.getLogger("nanoinfer")
 
@@ -42,16 +39,12 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: Config, stop_string_checker=None, eos_token_ids: set[int] = frozenset()):
         self.config = config
-        _setup_cpu_process(config)
+        self.platform = select_platform_for(config)
+        self.platform.setup_process(config)
         block_bytes = memory.kv_block_bytes(
             config.hf_config, config.kvcache_block_size, config.tensor_parallel_size, kv_cache_dtype_of(config)
         )
-        if config.device == "cpu":
-            self.plan = memory.plan_cpu_kv_cache(config, block_bytes)
-            memory.check_fits(self.plan, config.max_model_len)
-            self.model_runner = _make_runner(config, self.plan.num_blocks)
-        else:
-            self.model_runner, self.plan = _build_cuda_runner(config, block_bytes)
+        self.model_runner, self.plan = self.platform.build_runner(config, block_bytes, make_executor)
         logger.info(self.plan.summary_line())
         self.block_manager = BlockManager(self.plan.num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -89,14 +82,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent; also runs at exit)."""
-        if isinstance(self.model_runner, TensorParallelExecutor):
-            self.model_runner.close()
-
-
-def _make_runner(config: Config, num_blocks: int):
-    if config.tensor_parallel_size > 1:
-        return TensorParallelExecutor(config, num_blocks)  # same surface; rank 0 of a sharded model
-    return ModelRunner(config, num_blocks)
+        self.model_runner.close()
 
 
 def _is_decode(seq: Sequence, num_new: int) -> bool:
@@ -126,80 +112,3 @@ def _make_proposer(config: Config) -> NgramProposer | None:
     if config.num_speculative_tokens == 0:
         return None
     return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-
-
-def _setup_cpu_process(config: Config) -> None:
-    """CPU process setup: the thread count, and malloc keeping large freed blocks (cpu_ops)."""
-    if config.device != "cpu":
-        return
-    keep_freed_memory_for_reuse()
-    threads = config.num_threads or _physical_cores()
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
-def _physical_cores() -> int:
-    try:
-        cores = set()
-        with open("/proc/cpuinfo") as f:
-            phys = core = None
-            for line in f:
-                if line.startswith("physical id"):
-                    phys = line.split(":")[1].strip()
-                elif line.startswith("core id"):
-                    core = line.split(":")[1].strip()
-                    cores.add((phys, core))
-        if cores:
-            return len(cores)
-    except OSError:
-        pass
-    return os.cpu_count() or 1
-
-
-def _build_cuda_runner(config: Config, block_bytes: int):
-    """Load the model, measure the activation peak with a warm-up pass, then size and allocate the cache."""
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    free_before, total = torch.cuda.mem_get_info()
-    other_bytes = total - free_before
-    # A minimal cache for the warm-up: enough blocks for max_num_batched_tokens tokens.
-    warmup_blocks = -(-config.max_num_batched_tokens // config.kvcache_block_size) + 1
-    runner = _make_runner(config, warmup_blocks)
-    weights_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    warmup_cache_bytes = warmup_blocks * block_bytes
-    runner.warmup()
-    peak = torch.cuda.max_memory_allocated()
-    activation_bytes = max(peak - weights_bytes - warmup_cache_bytes, 0)
-    graphs = getattr(runner, "uses_cuda_graphs", False)  # the tensor-parallel executor runs eager
-    graph_bytes = _measure_cuda_graph_bytes(runner) if graphs else 0
-    plan = memory.plan_kv_cache(
-        total_bytes=total, utilization=config.gpu_memory_utilization, weights_bytes=weights_bytes,
-        activation_bytes=activation_bytes, other_bytes=other_bytes, block_bytes=block_bytes,
-        block_size=config.kvcache_block_size, max_model_len=config.max_model_len,
-        num_kvcache_blocks=config.num_kvcache_blocks, graph_bytes=graph_bytes,
-    )  # fmt: skip
-    memory.check_fits(plan, config.max_model_len)
-    runner.allocate_kv_cache(plan.num_blocks)
-    if graphs:
-        runner.capture_cuda_graphs()  # over the final cache: graphs keep the addresses they were captured on
-    return runner, plan
-
-
-def _measure_cuda_graph_bytes(runner: ModelRunner) -> int:
-    """Capture the decode graphs once over the warm-up cache and see how much memory they hold: their private
-    pool (torch's allocator) and the instantiated graphs themselves (the driver's, seen only by mem_get_info)."""
-
-    def settled() -> tuple[int, int]:
-        # torch.cuda.graph() empties the allocator's cache on entry: without emptying it here too, the warm-up
-        # pass's cached activations, released during the capture, would cancel out the graphs' own memory
-        # (an H200 run measured 0 bytes that way).
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
-
-    free_before, reserved_before = settled()
-    runner.capture_cuda_graphs()
-    free_after, reserved_after = settled()
-    runner.release_cuda_graphs()
-    torch.cuda.empty_cache()
-    return max(free_before - free_after, reserved_after - reserved_before, 0)

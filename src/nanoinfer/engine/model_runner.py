@@ -1,29 +1,24 @@
 """SchedulerOutput -> batch tensors + AttentionMetadata -> model forward -> sampled token ids.
 
-Owns the model and the KV cache (one (k, v) pair per layer, [num_blocks, block_size, H_kv, D]).
+Owns the model and the KV cache (one (k, v) pair per layer, [num_blocks, block_size, H_kv, D]), both made
+through the process's platform (platforms/, chosen by whoever builds the runner), which also says whether a
+fused decode runner takes pure-decode steps.
 Only sequences whose step reaches their last token are sampled; a prefill chunk that stops short
 contributes KV to the cache and nothing else.
 """
 
 from __future__ import annotations
 
-import math
-import mmap
-
 import torch
 
 from nanoinfer import memory
-from nanoinfer.attention.backend import get_backend
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.model.decoder import CausalLM, head_dim_of
-from nanoinfer.model.layers import enable_triton_small_ops
 from nanoinfer.model.loader import load_weights
 from nanoinfer.model.sampler import Sampler
-from nanoinfer.platforms.cpu.linear import prepack_linear_weights
-from nanoinfer.platforms.cpu.ops import cpu_ops
-from nanoinfer.platforms.cuda.cuda_graph import CUDAGraphCapturer, CUDAGraphRunner, graph_batch_sizes
+from nanoinfer.platforms import current_platform
 
 # Config's dtype and kv_cache_dtype names (config.DTYPES, config.KV_CACHE_DTYPES, resolved) -> torch dtypes.
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,18 +42,6 @@ def group_by_sequence(sample_seqs: list[Sequence], token_ids: list[int]) -> dict
     return sampled
 
 
-def _on_ordinary_pages(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uncommitted CPU tensor on 4 KiB pages whatever the heap's history: its own mapping, MADV_NOHUGEPAGE.
-    torch.empty would take freed heap memory, which may carry another library's MADV_HUGEPAGE (numpy asks it for
-    large arrays, e.g. transformers' GGUF dequantization in the same process)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0 or not hasattr(mmap, "MADV_NOHUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes)  # zero pages, committed at their first write (commit_new_blocks)
-    mapping.madvise(mmap.MADV_NOHUGEPAGE)
-    return torch.frombuffer(mapping, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
-
-
 def kv_cache_dtype_of(config) -> torch.dtype:
     """The KV cache's torch dtype (a resolved Config's kv_cache_dtype names it: never auto or fp8)."""
     return TORCH_KV_CACHE_DTYPES[config.kv_cache_dtype]
@@ -72,33 +55,29 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.dtype]
         self.kv_cache_dtype = kv_cache_dtype_of(config)
         self.block_size = config.kvcache_block_size
-        self.backend = get_backend(config.attention_backend)
+        self.platform = current_platform()
+        self.backend = self.platform.attention_backend(config.attention_backend)
         with torch.device("cpu"):
             model = CausalLM(hf_config, self.backend, max_position=max(config.max_model_len, 1))
         load_weights(model, config.model, hf_config)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
-        if self.device.type == "cpu":
-            # Build (first run on a machine, ~2 min) or load the C++ kernels now, as part of loading, rather
-            # than inside the first step where it would count as generation time; the packing needs them.
-            cpu_ops()
-            self.num_packed_weights = prepack_linear_weights(self.model)
-        self.triton_small_ops = enable_triton_small_ops(self.device, self.dtype)  # compiled once, before warm-up
+        self.num_packed_weights = self.platform.prepare_model(self.model)
         self.sampler = Sampler(config.seed)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(hf_config)
-        self.graph_runner: CUDAGraphRunner | None = None
+        self.graph_runner = None  # a CUDAGraphRunner once captured
         self.allocate_kv_cache(num_blocks)
 
     @property
     def uses_cuda_graphs(self) -> bool:
         """Decode through CUDA graphs: on CUDA, unless enforce_eager, with a backend whose kernels capture."""
-        config = self.config
-        return (self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1
-                and self.backend.name in ("triton", "flash-attn"))  # fmt: skip
+        return self.platform.uses_cuda_graphs(self.config, self.backend.name)
 
-    def capture_cuda_graphs(self, capturer: CUDAGraphCapturer | None = None) -> None:
+    def capture_cuda_graphs(self, capturer=None) -> None:
         """Capture the decode graphs over the current KV cache (call again after reallocating it)."""
+        from nanoinfer.platforms.cuda.cuda_graph import CUDAGraphRunner, graph_batch_sizes
+
         self.graph_runner = CUDAGraphRunner(
             lambda input_ids, positions, metadata: self.model(input_ids, positions, self.kv_caches, metadata),
             batch_sizes=graph_batch_sizes(max_num_sampled_rows(self.config)), max_model_len=self.config.max_model_len,
@@ -107,65 +86,30 @@ class ModelRunner:
         )  # fmt: skip
         self.graph_runner.capture()
 
+    def close(self) -> None:
+        """Nothing to stop (the tensor-parallel executor's close stops its workers)."""
+
     def release_cuda_graphs(self) -> None:
         self.graph_runner = None  # the graphs' memory pool goes with them
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graph_runner = None  # captured graphs point at the old cache
-        self.kv_caches = []  # drop the old cache before allocating the new one
+        self.decode_runner = None
+        self.kv_cache = self.kv_caches = None  # drop the old cache before allocating the new one
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.num_blocks = num_blocks
-        # CPU: which blocks' memory the OS has committed (commit_new_blocks); None on CUDA (zeroed up front).
-        self.committed = torch.zeros(num_blocks, dtype=torch.bool) if self.device.type == "cpu" else None
-        # On CPU the cache's pages are committed only as blocks are first written (torch.empty's untouched
-        # memory, then commit_new_blocks), so a 4 GiB budget costs neither a 4 GiB memset at start-up nor 4 GiB
-        # of resident memory for a small job (the planner already checked the budget against available RAM).
-        # Every backend reads only slots below a sequence's length, which were written first.
-        self.kv_caches = [
-            tuple(self._allocate_cache_tensor(shape) for _ in range(2))
-            for _ in range(self.config.hf_config.num_hidden_layers)
-        ]
-
-    def _allocate_cache_tensor(self, shape) -> torch.Tensor:
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-        # Ordinary 4 KiB pages, committed a block at a time (commit_new_blocks), not the weights' 2 MiB pages
-        # (csrc/huge_pages.cpp): a huge page is committed whole at its first write, which made decode slower
-        # where it was measured (benchmarks/README.md, seventeenth round).
-        return _on_ordinary_pages(shape, self.kv_cache_dtype)
-
-    def commit_new_blocks(self, slot_mapping: torch.Tensor) -> None:
-        """Commit the memory of the blocks this step writes into for the first time, whole, before the
-        step stores into them (CPU caches only; each tensor-parallel rank calls this for its own shard).
-
-        Why: the cache is allocated untouched, so otherwise the OS commits it a 4 KiB page at a time inside
-        the step's kernels, as decode writes one row a sequence a layer into fresh pages; committing ahead
-        was faster or level (benchmarks/README.md, twenty-first round). A whole block is committed even where
-        its sequence ends early: at most one partial block per sequence, and the planner counted every block
-        against the memory budget anyway."""
-        if self.committed is None:
-            return
-        blocks = torch.unique(slot_mapping[slot_mapping >= 0] // self.block_size)
-        fresh = blocks[~self.committed[blocks]]
-        if fresh.numel() == 0:
-            return
-        self.committed[fresh] = True
-        # Runs of consecutive ids (fresh blocks mostly come in order), each zeroed as one memset on all
-        # threads: index_fill_ wrote ~4.5 GB/s here, a run's zero_() ~3x that.
-        ids = fresh.tolist()
-        run_start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[i - 1] + 1:
-                first, last = ids[run_start], ids[i - 1]
-                for k_cache, v_cache in self.kv_caches:
-                    k_cache[first : last + 1].zero_()
-                    v_cache[first : last + 1].zero_()
-                run_start = i
+        self.kv_cache = self.platform.allocate_kv_cache(
+            self.config.hf_config.num_hidden_layers, shape, self.kv_cache_dtype, self.device
+        )
+        self.kv_caches = self.kv_cache.layers
+        self.decode_runner = self.platform.decode_runner(self.model, self.kv_caches, self.backend)
 
     def run_model(self, input_ids, positions, metadata: AttentionMetadata, logits_indices=None) -> torch.Tensor:
         """The model's forward pass over this runner's cache (every rank's, eager): the final hidden states
         of every row, or of the rows in logits_indices (the model then skips the others' last-layer work)."""
-        self.commit_new_blocks(metadata.slot_mapping)
+        self.kv_cache.before_step(metadata.slot_mapping)
+        if self.decode_runner is not None and metadata.is_pure_decode:
+            return self.decode_runner.run(input_ids, positions, metadata, logits_indices)
         return self.model(input_ids, positions, self.kv_caches, metadata, logits_indices)
 
     @torch.inference_mode()

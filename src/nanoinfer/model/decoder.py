@@ -19,7 +19,7 @@ from nanoinfer.model.layers import (
     VocabParallelEmbedding,
 )
 from nanoinfer.model.linear import GateUpParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanoinfer.platforms.cpu.decode_runner import FusedDecode
+from nanoinfer.platforms import current_platform
 
 
 def head_dim_of(hf_config) -> int:
@@ -71,15 +71,6 @@ class Attention(nn.Module):
         return self.o_proj(out if output_rows is None else out[output_rows])
 
 
-# On CPU the MLP of a long prefill step runs at most this many bytes of [rows, 2 x intermediate] activations
-# at a time (at least 64 rows), which bounds the step's activation peak for wide MLPs (float32, 14,336 wide:
-# ~2,300 rows a chunk). Rows are independent, so the result is the same (bit for bit with our panel GEMM,
-# whose per-row sums do not depend on the number of rows).
-# Large: CPU processes keep freed blocks in the heap (cpu_ops.keep_freed_memory_for_reuse), so big chunks page-
-# fault nothing, and small ones only cost GEMM calls and copies (benchmarks/README.md, twenty-third round).
-CPU_MLP_CHUNK_BYTES = 256 << 20
-
-
 class MLP(nn.Module):
     def __init__(self, hf_config):
         super().__init__()
@@ -87,11 +78,16 @@ class MLP(nn.Module):
         self.gate_up_proj = GateUpParallelLinear(hf_config.hidden_size, inter)
         self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias=False)
         self.hidden_size = hf_config.hidden_size
+        self.chunk_bytes = current_platform().mlp_chunk_bytes
 
     def forward(self, x):
+        """The MLP of every row, chunks of rows at a time where the platform bounds the activations (at least 64
+        rows a chunk; rows are independent, so the same result)."""
         rows = x.shape[0]
-        chunk = max(64, CPU_MLP_CHUNK_BYTES // (sum(self.gate_up_proj.output_sizes) * x.element_size()))
-        if x.device.type != "cpu" or rows <= chunk:
+        if self.chunk_bytes is None:
+            return self._forward(x)
+        chunk = max(64, self.chunk_bytes // (sum(self.gate_up_proj.output_sizes) * x.element_size()))
+        if rows <= chunk:
             return self._forward(x)
         out = x.new_empty(rows, self.hidden_size)
         for start in range(0, rows, chunk):
@@ -135,40 +131,26 @@ class DecoderModel(nn.Module):
             DecoderLayer(hf_config, backend, rotary) for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self._fused: tuple | None = None  # (kv_caches, FusedDecode or None): see _fused_decode
 
     def forward(self, input_ids, positions, kv_caches, metadata, logits_indices=None):
         """The final hidden states of every row, or of the rows in logits_indices (in that order).
 
         Why logits_indices: only the rows a step samples are read after the model, and the last layer's
         keys and values come from its input, so its o_proj, MLP and norms run for those rows alone (a prompt's
-        step samples one row a prompt; benchmarks/README.md, twenty-third round). Each kept row's
+        step samples one row a prompt). Each kept row's
         arithmetic, and so its bits, are the same as when every row runs (the kernels' row sums do not
         depend on how many rows there are)."""
         hidden_states, residual = self.embed_tokens(input_ids), None
         if logits_indices is not None and logits_indices.numel() == input_ids.numel():
             logits_indices = None  # every row, in row order (the runner's are ascending): nothing to leave out
-        fused = self._fused_decode(kv_caches) if metadata.is_pure_decode and input_ids.device.type == "cpu" else None
-        if fused is not None:  # every layer in one C++ call, same kernels and bits (model/cpu_decode.py)
-            hidden_states, residual = fused.run(hidden_states, positions, metadata)
-            if logits_indices is not None:
-                hidden_states, residual = hidden_states[logits_indices], residual[logits_indices]
-        else:
-            last = len(self.layers) - 1
-            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-                rows = logits_indices if i == last else None
-                hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata, rows)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            rows = logits_indices if i == last else None
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata, rows)
         if hidden_states.shape[0] == 0:
             return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
-
-    def _fused_decode(self, kv_caches) -> FusedDecode | None:
-        """The CPU fused decode path for these KV caches (decided once per cache list), or None."""
-        if self._fused is None or self._fused[0] is not kv_caches:
-            fused = FusedDecode(self, kv_caches) if FusedDecode.applies(self, kv_caches) else None
-            self._fused = (kv_caches, fused)  # holds the caches until the next list (the runner keeps one)
-        return self._fused[1]
 
 
 class CausalLM(nn.Module):

@@ -1,8 +1,8 @@
 """Linear layers that know their tensor-parallel shard.
 
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id)` that copies its rank's slice of
-a checkpoint tensor, so the loader never needs to know how a layer is split. With one rank they are
-plain linears.
+a checkpoint tensor, so the loader never needs to know how a layer is split. How they multiply is the
+platform's linear method (platforms/): plain F.linear, or a GEMM over weights it packed once after loading.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed import all_reduce, get_tp_rank, get_tp_size
-from nanoinfer.model.layers import silu_and_mul
-from nanoinfer.platforms.cpu.linear import PackedWeight, gated_linear, linear
+from nanoinfer.platforms import current_platform
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
@@ -30,7 +29,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.output_sizes)
         self.weight = _set_loader(nn.Parameter(torch.empty(out, input_size)), self.weight_loader)
         self.bias = _set_loader(nn.Parameter(torch.empty(out)), self.weight_loader) if bias else None
-        self.packed_weight: PackedWeight | None = None  # set by cpu_gemm.prepack_linear_weights
+        self.platform = current_platform()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         offset = sum(self.output_sizes[:shard_id])
@@ -39,32 +38,22 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(rank_slice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.platform.linear(self, x, self.bias)
 
 
 class GateUpParallelLinear(ColumnParallelLinear):
-    """The MLP's fused gate/up projection (shard ids 0 and 1), with the activation that follows it.
+    """The MLP's fused gate/up projection (shard ids 0 and 1), with the activation that follows it: call
+    `silu_and_mul(x)`. A linear method may fuse the activation into its GEMM, so that the [rows, 2 x intermediate]
+    projection is never written out and read back (the CPU one does: platforms/cpu/linear.py)."""
 
-    On CPU in float32, and in bfloat16 on AMX, its weight is packed so that one GEMM computes silu(gate) * up
-    in registers (`PackedWeight.gated`, csrc/gemm.cpp and csrc/amx_gemm.cpp): the [rows, 2 x intermediate]
-    projection is never written out and read back. Call `silu_and_mul(x)`; `forward` gives the bare projection
-    where the packing allows."""
-
-    packs_gated = True  # read by cpu_gemm.prepack_linear_weights
+    fused_activation = "silu_and_mul"  # what a linear method may fuse into this layer's GEMM
 
     def __init__(self, input_size: int, intermediate_size: int):
         super().__init__(input_size, [intermediate_size, intermediate_size], bias=False)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x Wg^T) * (x Wu^T), [..., intermediate / tp]."""
-        if self.packed_weight is not None and self.packed_weight.gated:
-            return gated_linear(x, self.packed_weight)
-        return silu_and_mul(self(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and self.packed_weight.gated:
-            raise RuntimeError("gate_up_proj is packed with its activation: call silu_and_mul(x)")
-        return super().forward(x)
+        return self.platform.silu_and_mul_linear(self, x)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -86,7 +75,7 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size // self.tp_size
         self.weight = _set_loader(nn.Parameter(torch.empty(output_size, self.input_size)), self.weight_loader)
         self.bias = _set_loader(nn.Parameter(torch.empty(output_size)), self._bias_loader) if bias else None
-        self.packed_weight: PackedWeight | None = None  # set by cpu_gemm.prepack_linear_weights
+        self.platform = current_platform()
 
     def weight_loader(self, param, loaded, shard_id=None):
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.input_size, self.input_size))
@@ -95,7 +84,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.packed_weight)
+        y = self.platform.linear(self, x, None)
         if self.tp_size > 1:
             all_reduce(y)
         if self.bias is not None:

@@ -12,13 +12,14 @@ import torch
 
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import Logprob
-from nanoinfer.platforms.cpu.ops import cpu_ops
+from nanoinfer.platforms import current_platform
 from nanoinfer.structured_output import apply_grammar_bitmask, fill_grammar_bitmask
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
+        self.argmax = current_platform().argmax  # torch.argmax(logits, dim=-1), through a kernel where one runs
         self._generators: dict[torch.device, torch.Generator] = {}  # unseeded draws, one per device
         self._bitmask = None  # the grammar bitmask prepare() started for the coming call
 
@@ -35,7 +36,7 @@ class Sampler:
         """logits [num_seqs, vocab] (the model's dtype) -> one token id per sequence."""
         params = [s.params for s in seqs]  # read once: this runs for every row of every step
         if all(p.is_plain_greedy for p in params):
-            return _argmax(logits).tolist()  # the logits as they are: widening them would not change the argmax
+            return self.argmax(logits).tolist()  # the logits as they are: widening them would not change the argmax
         bitmask, self._bitmask = self._bitmask, None
         logits = apply_grammar_bitmask(logits.float(), seqs, bitmask)
         raw_logits = logits
@@ -44,7 +45,7 @@ class Sampler:
             logits = logits.clone()
             for i in penalised:
                 logits[i] = _apply_penalties(logits[i], seqs[i])
-        token_ids = _argmax(logits)
+        token_ids = self.argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             token_ids[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
@@ -113,12 +114,3 @@ def _logprob(logits: torch.Tensor, token_id: int, num_top: int) -> Logprob:
         # tokens a grammar forbids have logprob -inf: no alternative at all (and JSON has no -Infinity)
         top = [(t, v) for t, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
     return Logprob(token_id, float(logprobs[token_id]), top)
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(logits, dim=-1); on CPU through the C++ kernel, many times faster than torch's here."""
-    cpu = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
-    ops = cpu_ops() if cpu and logits.dim() == 2 and logits.shape[1] > 0 else None
-    if ops is not None:
-        return ops.greedy_argmax(logits)
-    return torch.argmax(logits, dim=-1)

@@ -1,0 +1,106 @@
+"""The CPU platforms: CpuPlatform (plain torch ops, CPU process set-up, the lazily committed KV cache, sizing from
+RAM) and CpuKernelPlatform, the same with nanoinfer's C++ kernels (ops.py) wherever they take the call.
+
+Each kernel op checks what its kernel needs (dtype, layout) and otherwise calls the plain-torch op it
+overrides; in float32 and bfloat16 the kernels round where the torch ops do (csrc/fused_ops.cpp).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoinfer.platforms.cpu import linear as cpu_linear
+from nanoinfer.platforms.cpu.kv_cache import LazyKVCache
+from nanoinfer.platforms.cpu.ops import cpu_ops_for
+from nanoinfer.platforms.cpu.process import setup_process
+from nanoinfer.platforms.interface import Platform
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuPlatform(Platform):
+    name = "cpu-torch"
+    # The MLP of a long prefill runs at most this many bytes of [rows, 2 x intermediate] activations at a time,
+    # which bounds the step's peak for wide MLPs; large, since freed blocks stay in the heap (process.py) and
+    # smaller chunks only cost more GEMM calls (benchmarks/README.md).
+    mlp_chunk_bytes = 256 << 20
+
+    def setup_process(self, config, num_threads: int | None = None) -> None:
+        setup_process(num_threads or config.num_threads)
+
+    def build_runner(self, config, block_bytes: int, make_runner):
+        from nanoinfer import memory
+
+        plan = memory.plan_cpu_kv_cache(config, block_bytes)
+        memory.check_fits(plan, config.max_model_len)
+        return make_runner(config, plan.num_blocks), plan
+
+    def allocate_kv_cache(self, num_layers: int, shape, dtype: torch.dtype, device: torch.device) -> LazyKVCache:
+        return LazyKVCache(num_layers, shape, dtype)
+
+
+class CpuKernelPlatform(CpuPlatform):
+    name = "cpu"
+
+    def __init__(self, ops):
+        self.ops = ops  # the compiled extension (ops.py)
+
+    def prepare_model(self, model) -> int:
+        return cpu_linear.prepack_linear_weights(model)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype:
+            if residual is None:
+                return self.ops.rms_norm(x, weight, eps)
+            if x.is_contiguous() and residual.is_contiguous():
+                self.ops.fused_add_rms_norm(x, residual, weight, eps)  # x := norm, residual := sum, in place
+                return x, residual
+        return super().rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x):
+        if x.dtype in _KERNEL_DTYPES and x.dim() == 2 and x.is_contiguous():
+            return self.ops.silu_and_mul(x)
+        return super().silu_and_mul(x)
+
+    def rotary_embedding(self, positions, q, k, cos, sin):
+        if q.dtype in _KERNEL_DTYPES and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.device == q.device:
+            self.ops.rotary_embedding(positions, q, k, cos, sin)  # in place
+            return q, k
+        return super().rotary_embedding(positions, q, k, cos, sin)
+
+    def argmax(self, logits):
+        # The C++ argmax is many times faster than torch's here, with the same first-index tie rule.
+        if logits.dtype in _KERNEL_DTYPES and logits.dim() == 2 and logits.shape[1] > 0:
+            return self.ops.greedy_argmax(logits)
+        return super().argmax(logits)
+
+    def linear(self, layer, x, bias):
+        return cpu_linear.linear(x, layer.weight, bias, getattr(layer, "packed_weight", None))
+
+    def silu_and_mul_linear(self, layer, x):
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None and packed.gated:
+            return cpu_linear.gated_linear(x, packed)
+        return super().silu_and_mul_linear(layer, x)
+
+    def has_greedy_lm_head(self, lm_head) -> bool:
+        return cpu_linear.has_greedy_kernel(lm_head)
+
+    def greedy_token_ids(self, lm_head, hidden_states):
+        return cpu_linear.greedy_token_ids(lm_head, hidden_states)
+
+    def attention_backend(self, name: str):
+        from nanoinfer.platforms.cpu.attention import CpuAttentionBackend
+
+        return CpuAttentionBackend(self.ops)
+
+    def decode_runner(self, model, kv_caches, backend):
+        from nanoinfer.platforms.cpu.decode_runner import FusedDecode
+
+        return FusedDecode(model, kv_caches, self.ops) if FusedDecode.applies(model, kv_caches, backend) else None
+
+
+def cpu_platform(cpu_kernels: str) -> CpuPlatform:
+    """The C++ kernels' platform when `cpu_kernels` (Config's: auto | wait | off) gets them, else plain torch."""
+    ops = cpu_ops_for(cpu_kernels)
+    return CpuKernelPlatform(ops) if ops is not None else CpuPlatform()

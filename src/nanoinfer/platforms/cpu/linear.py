@@ -202,6 +202,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     """x W^T + b, through the packed weight when the layer has one."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if packed.gated:
+        raise RuntimeError("this weight is packed with its activation: call silu_and_mul on its layer")
     if packed.kind == "panels":
         return cpu_ops().packed_linear(x, packed.data, bias, packed.out_features, compact=packed.compact,
                                        compact_amx=packed.compact_amx)
@@ -213,7 +215,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
-    """Pack the weight of every module that declares `packed_weight` (linears and the LM head).
+    """Pack the weight of every linear layer and the LM head (modules multiplying through the platform's linear
+    method); each gets `packed_weight` (None where its weight stays as it is).
 
     A weight no other module shares is then released: the packed copy is the only one the forward pass
     reads, so memory stays at one copy of the weights. A shared one (the LM head tied to the embedding)
@@ -228,25 +231,63 @@ def prepack_linear_weights(model: nn.Module) -> int:
             owners[id(param)] = owners.get(id(param), 0) + 1
     packed = 0
     for module in model.modules():
-        if not hasattr(module, "packed_weight") or module.weight.device.type != "cpu":
+        if not _uses_linear_method(module) or module.weight.device.type != "cpu":
             continue
         # The MLP's gate_up projection takes SiLU-and-mul into the GEMM: our float32 GEMM, and the AMX one,
         # which rounds where the separate bfloat16 ops do (the widening bfloat16 GEMM would skip those
         # roundings, which the bfloat16 comparisons with transformers expect).
         module_kind = kind
-        if getattr(module, "packs_gated", False) and kind in ("amx", "panels"):
+        if getattr(module, "fused_activation", None) == "silu_and_mul" and kind in ("amx", "panels"):
             module_kind = {"amx": "amx_gated", "panels": "gated" if dtype == torch.float32 else kind}[kind]
         # A float32 LM head on a CPU with AMX also keeps a bfloat16 copy: greedy rows take their token from it
         # (exactly the float32 logits' argmax, csrc/greedy_lm_head.cpp) at a third of the float32 product's cost.
-        if getattr(module, "greedy_from_bfloat16", False) and module_kind == "panels" and dtype == torch.float32 \
+        is_lm_head = getattr(module, "is_lm_head", False)
+        if is_lm_head and module.tp_size == 1 and module_kind == "panels" and dtype == torch.float32 \
                 and cpu_ops().amx_available():
             module.greedy_head = pack_greedy_lm_head(module.weight)
         # The LM head's float32 panels are read by greedy_lm_head whatever else it has.
         module.packed_weight = pack_weight(module.weight, module_kind,
-                                           keep_panels=hasattr(module, "greedy_from_bfloat16"),
+                                           keep_panels=is_lm_head,
                                            blocks=getattr(module, "q4_blocks", None))  # fmt: skip
         module.q4_blocks = None  # packed: the blocks are no longer needed
         if owners[id(module.weight)] == 1:
             module.weight.data = torch.empty(0, dtype=dtype)
         packed += 1
     return packed
+
+
+def _uses_linear_method(module: nn.Module) -> bool:
+    from nanoinfer.model.layers import ParallelLMHead
+    from nanoinfer.model.linear import ColumnParallelLinear, RowParallelLinear
+
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
+
+
+def has_greedy_kernel(lm_head: nn.Module) -> bool:
+    """Does greedy_token_ids skip writing the logits here? float32 with its bfloat16 copy (greedy_head), or
+    bfloat16 packed for AMX (the argmax taken in the GEMM's epilogue)."""
+    packed = getattr(lm_head, "packed_weight", None)
+    if getattr(lm_head, "greedy_head", None) is not None:
+        return True
+    return packed is not None and packed.kind == "amx" and lm_head.tp_size == 1
+
+
+def greedy_token_ids(lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """The argmax of lm_head(hidden_states) a row (the first index on a tie) without the logits, or None where no
+    kernel applies: float32 from the bfloat16 copy (a CPU with AMX), the same tokens without the float32 product;
+    bfloat16 on AMX from the GEMM's sums as they are rounded, never stored."""
+    head, packed = getattr(lm_head, "greedy_head", None), getattr(lm_head, "packed_weight", None)
+    if hidden_states.dim() != 2:
+        return None
+    if head is not None and hidden_states.dtype == torch.float32:
+        token_ids = cpu_ops().greedy_lm_head(
+            hidden_states, head.amx_packed, head.weight_norms, packed.data, packed.out_features
+        )
+    elif has_greedy_kernel(lm_head) and hidden_states.dtype == torch.bfloat16:
+        token_ids = cpu_ops().amx_greedy_argmax(hidden_states, packed.data, packed.out_features)
+    else:
+        return None
+    full = (token_ids < 0).nonzero().flatten()  # rows whose hidden state or bfloat16 logits are not finite
+    if len(full):
+        token_ids[full] = torch.argmax(lm_head(hidden_states[full]), dim=-1)
+    return token_ids

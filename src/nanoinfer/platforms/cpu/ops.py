@@ -1,7 +1,12 @@
-"""nanoinfer's CPU kernels (csrc/: paged decode and prefill attention, the GEMM, RMSNorm, rotary, SiLU-and-mul),
-compiled once per machine with torch's C++ extension builder and cached (~/.cache/torch_extensions). Where no
-compiler is available every caller falls back to plain torch ops, after one warning;
-NANOINFER_DISABLE_CPU_KERNELS=1 forces that fallback (the tests use it to check both paths)."""
+"""The only importer of nanoinfer's C++ CPU kernels (csrc/: paged decode and prefill attention, the GEMMs, RMSNorm,
+rotary, SiLU-and-mul, the fused decode loop), compiled once per machine with torch's C++ extension builder and
+cached (~/.cache/torch_extensions).
+
+cpu_ops_for(mode) says how an engine gets them: "wait" builds them now if needed (about 2 minutes, once per
+machine); "auto" loads them only if already built, else starts the build in a detached background process for
+the next run and answers None (this run uses plain torch); "off", or NANOINFER_DISABLE_CPU_KERNELS=1, never
+uses them. Where no compiler is available the answer is None after one warning.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,10 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,35 +25,45 @@ logger = logging.getLogger("nanoinfer")
 _CSRC = Path(__file__).parent / "csrc"
 _module = None
 _failed = False
+_BACKGROUND_MARKER = "nanoinfer-background-build"
+_STALE_S = 600  # a real build takes a few minutes: a lock or marker older than this was left by a killed one
+
+
+def disabled() -> bool:
+    return os.environ.get("NANOINFER_DISABLE_CPU_KERNELS") == "1"
+
+
+def cpu_ops_for(mode: str):
+    """The compiled module for an engine whose Config says `cpu_kernels: mode`, or None (see the docstring)."""
+    if mode == "off" or disabled():
+        return None
+    if mode == "auto" and _module is None and not _failed:
+        name = extension_name()
+        if not _is_built(name):
+            start_background_build(name)
+            return None
+    return cpu_ops()
 
 
 def cpu_ops():
-    """The compiled module (see csrc/bindings.cpp for its functions), or None."""
+    """The compiled module (see csrc/bindings.cpp for its functions), built now if needed; or None."""
     global _module, _failed
     if _module is not None or _failed:
         return _module
-    if os.environ.get("NANOINFER_DISABLE_CPU_KERNELS") == "1":
+    if disabled():
         _failed = True
         return None
     try:
-        import torch
         from torch.utils.cpp_extension import load
 
-        files = sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("*.h"))
-        # The name covers the sources, where they are and which torch compiles them: a changed source builds
-        # anew instead of loading a stale build, and two checkouts (or two venvs) on one machine keep separate
-        # builds. Sharing one, each process's ninja saw the other's paths and rebuilt (2-3 minutes, seen
-        # when a second venv ran the benchmarks), under a lock the other may be waiting on.
-        where = f"{_CSRC.resolve()}|{Path(torch.__file__).parent}|{torch.__version__}"
-        content = where.encode() + b"".join(f.name.encode() + f.read_bytes() for f in files)
-        name = f"nanoinfer_cpu_ops_{hashlib.sha256(content).hexdigest()[:12]}"
+        name = extension_name()
         _remove_stale_lock(name)
         if not _is_built(name):  # say why the first run on a machine pauses (no logging is configured: stderr)
             logger.warning("building nanoinfer's CPU kernels for this machine (first run only, about 2 minutes)")
         with _own_ninja_first():
             _module = load(
                 name=name,
-                sources=[str(f) for f in files if f.suffix == ".cpp"],
+                sources=[str(f) for f in _sources() if f.suffix == ".cpp"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
@@ -56,26 +74,48 @@ def cpu_ops():
     return _module
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-_KEEP_BYTES = 1 << 30
+def _sources() -> list[Path]:
+    return sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("*.h"))
 
 
-def keep_freed_memory_for_reuse() -> bool:
-    """Let glibc's malloc serve large tensors from memory it already has (once per process; CPU runs only).
+def extension_name() -> str:
+    """The build's name covers the sources, where they are and which torch compiles them: a changed source builds
+    anew instead of loading a stale build, and two checkouts or venvs on one machine keep separate builds (sharing
+    one, each one's ninja saw the other's paths and rebuilt)."""
+    import torch
 
-    By default glibc hands every allocation over 32 MB (a prefill's activations) to a fresh mmap and unmaps it
-    when freed, so each step page-faults its activations in again, and with heap trimming smaller ones too:
-    a large prefill's GEMMs ran markedly slower so (benchmarks/README.md). Freed memory then stays in the
-    process for the next step (peak RSS is reached either way). Returns whether both settings took (False off
-    glibc)."""
+    where = f"{_CSRC.resolve()}|{Path(torch.__file__).parent}|{torch.__version__}"
+    content = where.encode() + b"".join(f.name.encode() + f.read_bytes() for f in _sources())
+    return f"nanoinfer_cpu_ops_{hashlib.sha256(content).hexdigest()[:12]}"
+
+
+def start_background_build(name: str) -> bool:
+    """Build the kernels in a detached process that outlives this one, unless one is already at it. Returns
+    whether this call started one."""
+    build_dir = _build_dir(name)
+    marker = build_dir / _BACKGROUND_MARKER
     try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+        if time.time() - marker.stat().st_mtime < _STALE_S:
+            return False  # another run started it
+    except OSError:
+        pass
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(os.getpid()))
+        log = open(build_dir / "background-build.log", "wb")  # noqa: SIM115 - handed to the child
+        subprocess.Popen(
+            [sys.executable, "-c", "from nanoinfer.platforms.cpu import ops; ops.build_in_background()"],
+            stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True, cwd=str(build_dir),
+        )  # fmt: skip
+    except OSError as e:
+        logger.warning("could not start building nanoinfer's CPU kernels in the background (%s)", e)
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+    logger.warning(
+        "nanoinfer's CPU kernels are building in the background (first run on this machine, about 2 minutes); "
+        "this run uses the slower torch ops. Set cpu_kernels: wait (--cpu-kernels wait) to wait for them."
+    )
+    return True
 
 
 @contextmanager
@@ -105,17 +145,24 @@ def _build_dir(name: str) -> Path:
 
 
 def _remove_stale_lock(name: str) -> None:
-    # torch's builder waits forever on a lock file left by a build that was killed (kill -9); a real
-    # build takes a minute or two, so a lock older than ten minutes is stale.
-    import time
-
+    # torch's builder waits forever on a lock file left by a build that was killed (kill -9).
     lock = _build_dir(name) / "lock"
     try:
-        if time.time() - lock.stat().st_mtime > 600:
+        if time.time() - lock.stat().st_mtime > _STALE_S:
             lock.unlink()
     except OSError:
         pass
 
 
 def _is_built(name: str) -> bool:
-    return (_build_dir(name) / f"{name}.so").is_file()
+    """Is the library there and no build still writing it (torch's builder holds `lock` until it is done)?"""
+    build_dir = _build_dir(name)
+    return (build_dir / f"{name}.so").is_file() and not (build_dir / "lock").exists()
+
+
+def build_in_background() -> None:
+    """The detached process start_background_build starts."""
+    try:
+        sys.exit(0 if cpu_ops() is not None else 1)
+    finally:
+        (_build_dir(extension_name()) / _BACKGROUND_MARKER).unlink(missing_ok=True)

@@ -1,0 +1,104 @@
+"""The CUDA platform: Triton small-op kernels for 16-bit models (kernels/fused_ops.py), the flash-attn and Triton
+attention backends, decode through CUDA graphs, and a KV cache sized from what a warm-up pass measured.
+
+float32 keeps torch's small ops, whose exact roundings the float32 comparison with transformers relies on.
+NANOINFER_TORCH_SMALL_OPS=1 keeps them in 16-bit too (to compare).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from nanoinfer.platforms.interface import Platform
+
+logger = logging.getLogger("nanoinfer")
+_TRITON_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+
+    def __init__(self, dtype: str = "bfloat16"):
+        wanted = os.environ.get("NANOINFER_TORCH_SMALL_OPS") != "1" and importlib.util.find_spec("triton") is not None
+        self.triton_small_ops = wanted and dtype in ("bfloat16", "float16")  # until prepare_model tries them
+
+    def prepare_model(self, model) -> int:
+        """Compile and run each small-op kernel once on a tiny input before the engine relies on them; on a
+        failure (a Triton or driver this code was not tried with) torch's ops stay in use, with one warning."""
+        if self.triton_small_ops:
+            device = next(model.parameters()).device
+            problem = check_small_ops(device, next(model.parameters()).dtype)
+            if problem is not None:
+                self.triton_small_ops = False
+                logger.warning("Triton small-op kernels unavailable (%s); using torch's ops.", problem)
+        return 0
+
+    def _fused_ops(self, x: torch.Tensor):
+        if not self.triton_small_ops or x.dtype not in _TRITON_DTYPES or x.device.type != "cuda":
+            return None
+        from nanoinfer.platforms.cuda.kernels import fused_ops
+
+        return fused_ops
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        ops = self._fused_ops(x)
+        if ops is not None and x.stride(-1) == 1 and weight.dtype == x.dtype:
+            if residual is None or (x.dim() == 2 and residual.stride(-1) == 1):
+                return ops.rms_norm(x, weight, eps, residual)
+        return super().rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x):
+        ops = self._fused_ops(x)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return ops.silu_and_mul(x)
+        return super().silu_and_mul(x)
+
+    def rotary_embedding(self, positions, q, k, cos, sin):
+        ops = self._fused_ops(q)
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.device == q.device:
+            return ops.rotary_embedding(positions, q, k, cos, sin)
+        return super().rotary_embedding(positions, q, k, cos, sin)
+
+    def attention_backend(self, name: str):
+        if name == "flash-attn":
+            from nanoinfer.platforms.cuda.flash_attn_backend import FlashAttnBackend
+
+            return FlashAttnBackend()
+        if name == "triton":
+            from nanoinfer.platforms.cuda.triton_backend import TritonBackend
+
+            return TritonBackend()
+        return super().attention_backend(name)
+
+    def uses_cuda_graphs(self, config, backend_name: str) -> bool:
+        """Decode through CUDA graphs unless enforce_eager, with one rank and a backend whose kernels capture."""
+        return not config.enforce_eager and config.tensor_parallel_size == 1 and backend_name in ("triton",
+                                                                                                  "flash-attn")
+
+    def build_runner(self, config, block_bytes: int, make_runner):
+        from nanoinfer.platforms.cuda.memory_planning import build_cuda_runner
+
+        return build_cuda_runner(config, block_bytes, make_runner)
+
+
+def check_small_ops(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Run each small-op kernel once on a tiny input: None when all ran, else the first error, in one line."""
+    try:
+        from nanoinfer.platforms.cuda.kernels import fused_ops
+
+        x = torch.randn(2, 3, 64, device=device).to(dtype)
+        weight = torch.ones(64, device=device, dtype=dtype)
+        table = torch.ones(4, 64, device=device)
+        fused_ops.rms_norm(x, weight, 1e-6)
+        fused_ops.rms_norm(x[:, 0], weight, 1e-6, x[:, 1].contiguous())
+        fused_ops.silu_and_mul(x[:, 0])
+        fused_ops.rotary_embedding(torch.zeros(2, dtype=torch.long, device=device), x, x[:, :1], table, table)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # any failure means: do not use them; the message says why
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None

@@ -1,4 +1,4 @@
-// The Python module of nanoinfer's CPU kernels (built by nanoinfer/cpu_ops.py).
+// The Python module of nanoinfer's CPU kernels (built by platforms/cpu/ops.py).
 #include "simd.h"
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -14,11 +14,7 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
                       torch::Tensor sin);
 torch::Tensor greedy_argmax(torch::Tensor logits);
-std::tuple<torch::Tensor, torch::Tensor> decode_layers(
-    torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor seq_lens, const std::vector<torch::Tensor>& layers, torch::Tensor cos, torch::Tensor sin,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-    double scale, bool amx);
+void bind_decode_layers(pybind11::module& m);
 torch::Tensor pack_linear_weight(const torch::Tensor& weight);
 torch::Tensor pack_gated_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
@@ -46,9 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [tokens, 2 * intermediate] matrix (float32)");
   m.def("rotary_embedding", &rotary_embedding, "neox-style rotary of q and k in place (float32)");
-  m.def("decode_layers", &decode_layers,
-        "every decoder layer of a pure-decode step (no tensor parallelism; float32, or bfloat16 with amx): "
-        "(hidden, residual)");
+  bind_decode_layers(m);
   m.def("greedy_argmax", &greedy_argmax, "index of each row's largest value, as torch.argmax (float32)");
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] float32/bfloat16 weight -> [ceil(N/16), K, 16] panels");
   m.def("pack_gated_weight", &pack_gated_weight,

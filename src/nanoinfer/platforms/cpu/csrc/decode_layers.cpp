@@ -1,13 +1,16 @@
 // Every decoder layer of a pure-decode step in one call (one CPU process, no tensor parallelism): float32
 // through our panel GEMM, or bfloat16 through the AMX GEMM (`amx`).
 //
-// Why: with the kernels at this machine's ceilings, what was left of W's decode outside them was Python:
-// ~0.3 ms a layer of module calls, views and checks around ~9 kernel calls (2.5 s of a 26.6 s decode,
-// benchmarks/README.md). Here the same kernels run in the same order on the same tensors (model/cpu_decode.py
-// says when this path applies), so the output is bit for bit the per-layer Python path's.
+// Why: with the kernels at the CPU's ceilings, the Python around them (module calls, views, checks, per layer)
+// was what remained of a decode step (benchmarks/README.md). The same kernels run here in the same order on the
+// same tensors (platforms/cpu/decode_runner.py says when this path applies), so the output is bit for bit the
+// per-layer path's. The layers' tensors are handed over once, by name (decode_runner.LAYER_TENSORS), and kept.
 #include "simd.h"
 
+#include <array>
+#include <string>
 #include <tuple>
+#include <unordered_map>
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -24,52 +27,108 @@ torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& pac
 torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& packed,
                          const c10::optional<torch::Tensor>& bias, int64_t N, bool gated);
 
-// What one layer passes, in this order (kLayerTensors of them): input norm weight, qkv packed weight, qkv bias
-// (an empty tensor: none), o_proj packed weight, post-attention norm weight, gate_up weight packed gated,
-// down_proj packed weight, key cache, value cache, then the four weights' exact 4-bit forms for packed_linear's
-// compact (qkv, o_proj, gate_up, down_proj; empty tensors: none) and the same for its compact_amx. Weights packed
-// for packed_linear, or (amx) amx_linear.
-constexpr size_t kLayerTensors = 17;
+namespace {
 
-// hidden [T, hidden] (the embeddings) -> (hidden, residual) after the last layer, before the final norm.
-std::tuple<torch::Tensor, torch::Tensor> decode_layers(
-    torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor seq_lens, const std::vector<torch::Tensor>& layers, torch::Tensor cos, torch::Tensor sin,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-    double scale, bool amx) {
-  // compact, compact_amx: the weight's exact 4-bit forms, or empty tensors (csrc/q4_panels.h, q4_amx_gemm.cpp)
-  auto linear = [amx](const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                      int64_t N, bool gated, const torch::Tensor& compact, const torch::Tensor& compact_amx) {
-    if (amx) return amx_linear(x, w, bias, N, gated);
-    return packed_linear(x, w, bias, N, gated, compact.numel() ? c10::optional<torch::Tensor>(compact) : c10::nullopt,
-                         compact_amx.numel() ? c10::optional<torch::Tensor>(compact_amx) : c10::nullopt);
-  };
-  TORCH_CHECK(layers.size() % kLayerTensors == 0, "decode_layers: ", kLayerTensors, " tensors a layer, got ",
-              layers.size());
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: contiguous [tokens, hidden] input");
-  const int64_t T = hidden.size(0), H = hidden.size(1);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  torch::Tensor residual;
-  for (size_t i = 0; i < layers.size(); i += kLayerTensors) {
-    const torch::Tensor* w = layers.data() + i;
-    if (!residual.defined()) {
-      residual = hidden;
-      hidden = rms_norm(hidden, w[0], eps);
-    } else {
-      fused_add_rms_norm(hidden, residual, w[0], eps);
+using Named = std::unordered_map<std::string, torch::Tensor>;
+
+c10::optional<torch::Tensor> present(const torch::Tensor& t) {
+  return t.defined() && t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+// One packed projection: the packed weight, and its exact 4-bit forms where it has them (csrc/q4_panels.h,
+// q4_amx_gemm.cpp).
+struct Projection {
+  torch::Tensor packed, compact, compact_amx;
+};
+
+struct Layer {
+  torch::Tensor input_layernorm, post_attention_layernorm, qkv_bias, k_cache, v_cache;
+  Projection qkv_proj, o_proj, gate_up_proj, down_proj;
+};
+
+torch::Tensor take(const Named& named, const std::string& name, size_t layer, bool optional = false) {
+  auto it = named.find(name);
+  TORCH_CHECK(it != named.end() || optional, "DecodeLayers: layer ", layer, " has no tensor named '", name, "'");
+  return it == named.end() ? torch::Tensor() : it->second;
+}
+
+Projection take_projection(const Named& named, const std::string& name, size_t layer) {
+  return {take(named, name, layer), take(named, name + ".compact", layer, true),
+          take(named, name + ".compact_amx", layer, true)};
+}
+
+}  // namespace
+
+class DecodeLayers {
+ public:
+  // layers: one {name: tensor} a layer (decode_runner.LAYER_TENSORS names them); cos/sin: the rotary tables.
+  DecodeLayers(const std::vector<Named>& layers, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale,
+               bool amx)
+      : cos_(cos), sin_(sin), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+        intermediate_size_(intermediate_size), eps_(eps), scale_(scale), amx_(amx) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Named& n = layers[i];
+      layers_.push_back({take(n, "input_layernorm", i), take(n, "post_attention_layernorm", i),
+                         take(n, "qkv_bias", i, true), take(n, "k_cache", i), take(n, "v_cache", i),
+                         take_projection(n, "qkv_proj", i), take_projection(n, "o_proj", i),
+                         take_projection(n, "gate_up_proj", i), take_projection(n, "down_proj", i)});
     }
-    const auto qkv_bias = w[2].numel() ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt;
-    const auto qkv = linear(hidden, w[1], qkv_bias, q_size + 2 * kv_size, false, w[9], w[13]);
-    const auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-    const auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
-    const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    rotary_embedding(positions, q, k, cos, sin);
-    store_kvcache(k, v, w[7], w[8], slot_mapping);
-    const auto attn = paged_decode(q, w[7], w[8], block_tables, seq_lens, scale);  // q read in place
-    hidden = linear(attn.view({T, q_size}), w[3], c10::nullopt, H, false, w[10], w[14]);
-    fused_add_rms_norm(hidden, residual, w[4], eps);
-    hidden = linear(linear(hidden, w[5], c10::nullopt, intermediate_size, true, w[11], w[15]), w[6], c10::nullopt, H,
-                    false, w[12], w[16]);
   }
-  return {hidden, residual};
+
+  // hidden [T, hidden] (the embeddings) -> (hidden, residual) after the last layer, before the final norm.
+  std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor hidden, torch::Tensor positions,
+                                               torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                               torch::Tensor seq_lens) {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "DecodeLayers: contiguous [tokens, hidden] input");
+    const int64_t T = hidden.size(0), H = hidden.size(1);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    torch::Tensor residual;
+    for (const Layer& w : layers_) {
+      if (!residual.defined()) {
+        residual = hidden;
+        hidden = rms_norm(hidden, w.input_layernorm, eps_);
+      } else {
+        fused_add_rms_norm(hidden, residual, w.input_layernorm, eps_);
+      }
+      const auto qkv = linear(hidden, w.qkv_proj, present(w.qkv_bias), q_size + 2 * kv_size, false);
+      const auto q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_dim_});
+      const auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_dim_});
+      const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_dim_});
+      rotary_embedding(positions, q, k, cos_, sin_);
+      store_kvcache(k, v, w.k_cache, w.v_cache, slot_mapping);
+      const auto attn = paged_decode(q, w.k_cache, w.v_cache, block_tables, seq_lens, scale_);  // q read in place
+      hidden = linear(attn.view({T, q_size}), w.o_proj, c10::nullopt, H, false);
+      fused_add_rms_norm(hidden, residual, w.post_attention_layernorm, eps_);
+      hidden = linear(linear(hidden, w.gate_up_proj, c10::nullopt, intermediate_size_, true), w.down_proj,
+                      c10::nullopt, H, false);
+    }
+    return {hidden, residual};
+  }
+
+ private:
+  torch::Tensor linear(const torch::Tensor& x, const Projection& w, const c10::optional<torch::Tensor>& bias,
+                       int64_t N, bool gated) const {
+    if (amx_) return amx_linear(x, w.packed, bias, N, gated);
+    return packed_linear(x, w.packed, bias, N, gated, present(w.compact), present(w.compact_amx));
+  }
+
+  std::vector<Layer> layers_;
+  torch::Tensor cos_, sin_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_;
+  double eps_, scale_;
+  bool amx_;
+};
+
+void bind_decode_layers(pybind11::module& m) {
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers",
+                                 "every decoder layer of a pure-decode step, over tensors handed over once by name")
+      .def(pybind11::init<const std::vector<Named>&, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
+                          int64_t, double, double, bool>(),
+           pybind11::arg("layers"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("intermediate_size"),
+           pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("amx"))
+      .def("run", &DecodeLayers::run, "(hidden, residual) after the last layer, before the final norm",
+           pybind11::arg("hidden"), pybind11::arg("positions"), pybind11::arg("slot_mapping"),
+           pybind11::arg("block_tables"), pybind11::arg("seq_lens"));
 }

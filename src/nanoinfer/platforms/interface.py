@@ -1,0 +1,117 @@
+"""The platform interface, with plain torch behind every method: the reference each fast op is tested against
+and what runs where no kernel does (any device, the C++ extension disabled or not built).
+
+A platform answers, once per engine, every device question the model, attention and engine would otherwise
+ask on each call: which small ops, how linears multiply, which attention backend, how the KV cache is held,
+whether a fused decode runner applies, how a process is set up and how the KV cache is sized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Platform:
+    name = "torch"
+    # The MLP runs at most this many bytes of [rows, 2 x intermediate] activations at a time (None: no limit).
+    # Rows are independent, so the result is the same.
+    mlp_chunk_bytes: int | None = None
+
+    # Process and engine set-up
+
+    def setup_process(self, config, num_threads: int | None = None) -> None:
+        """Once per process, before the model loads (threads, allocator)."""
+
+    def build_runner(self, config, block_bytes: int, make_runner):
+        """(runner, KV-cache plan): size the cache for this device and build `make_runner(config, num_blocks)`."""
+        raise NotImplementedError
+
+    def prepare_model(self, model: nn.Module) -> int:
+        """After the weights load: put linear weights in the platform's own layouts (returns how many), compile
+        small-op kernels; called once per model."""
+        return 0
+
+    # Small ops
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual (norm(x + residual), x + residual): the fused pre-norm step. Numerics as in
+        transformers (normalised in float32, rounded, then scaled). A platform's version may reuse x and
+        residual's memory: the decoder layer owns both and reads neither afterwards."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_embedding(self, positions, q, k, cos: torch.Tensor, sin: torch.Tensor):
+        """q [T, H, D], k [T, H_kv, D] -> rotated (a platform's version may rotate them in place)."""
+        cos = cos[positions].unsqueeze(1).to(q.dtype)
+        sin = sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(logits, dim=-1) (the first index on a tie)."""
+        return torch.argmax(logits, dim=-1)
+
+    # Linear method: how a linear layer (or the LM head) multiplies, given what prepare_model left on it
+
+    def linear(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def silu_and_mul_linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu(x Wg^T) * (x Wu^T) for the MLP's fused gate/up layer."""
+        return self.silu_and_mul(self.linear(layer, x, None))
+
+    def has_greedy_lm_head(self, lm_head: nn.Module) -> bool:
+        """Does greedy_token_ids skip writing the logits (a kernel takes the argmax from the GEMM)?"""
+        return False
+
+    def greedy_token_ids(self, lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax token without the logits, or None: the caller computes the logits."""
+        return None
+
+    # Attention and the KV cache
+
+    def attention_backend(self, name: str):
+        """The backend for a name attention.backend.select_backend returned."""
+        from nanoinfer.attention.torch_backend import TorchBackend
+
+        return TorchBackend()
+
+    def allocate_kv_cache(self, num_layers: int, shape, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache([(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype,
+                                                                                     device=device))
+                        for _ in range(num_layers)])  # fmt: skip
+
+    def decode_runner(self, model: nn.Module, kv_caches, backend):
+        """An object whose run(input_ids, positions, metadata) does a pure-decode step's forward pass faster
+        than the model's own, or None."""
+        return None
+
+    def uses_cuda_graphs(self, config, backend_name: str) -> bool:
+        return False
+
+
+class KVCache:
+    """The paged KV cache: one (key, value) pair a layer, each [num_blocks, block_size, H_kv, D]. Every backend
+    reads only slots it wrote first."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.layers = layers
+
+    def before_step(self, slot_mapping: torch.Tensor) -> None:
+        """Called with each step's slot mapping before the model writes into the cache."""
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
