@@ -52,7 +52,17 @@ class ModelLoadError(NanoInferError):
 
 
 class RequestError(NanoInferError):
-    """A request (prompt or sampling parameters) is invalid."""
+    """A request (prompt or sampling parameters) is invalid; `code` names the problem for scripts (the error code
+    of a `generate` record: out_of_vocabulary, chat_template_error, prompt_too_long, ...)."""
+
+    def __init__(self, message: str, code: str = "request_failed"):
+        super().__init__(message)
+        self.code = code
+
+
+class UnservableRequestError(RequestError):
+    """A well-formed request this engine can never serve: an empty prompt, or one longer than max_model_len.
+    LLM.generate() answers it with an output whose finish_reason is "error" and goes on with the others."""
 
 
 class StructuredOutputError(RequestError):

@@ -1,7 +1,7 @@
 """LineRunner: one LLM serving parsed JSONL lines, from BatchRequest to finished record.
 
-Admits a line (tokenize, length checks, add_request), steps the engine and builds each finished line's
-record; every failure of one line becomes that line's error record. Reading lines and writing records is
+Admits a line through LLM.add_request (which tokenizes and checks it), steps the engine and builds each finished
+line's record; every failure of one line becomes that line's error record. Reading lines and writing records is
 the caller's: `nanoinfer generate` on one engine, each Ray replica, and the Ray Data predictor all run it.
 """
 
@@ -98,37 +98,18 @@ class LineRunner:
 
 
 def admit(llm, request: batch.BatchRequest) -> batch.LineError | None:
-    """Tokenize and queue one request, or say why it cannot be served (never raises: a line's boundary)."""
-    code = "request_failed"
+    """Queue one line's request through LLM.add_request (the admission check), or say why it cannot be served
+    (never raises: a line's boundary). The error's code is the RequestError's."""
     try:
         if request.prompt_token_ids is not None:
-            code = "out_of_vocabulary"
-            token_ids = llm.check_token_ids(request.prompt_token_ids)
+            prompt = request.prompt_token_ids
+        elif request.messages is not None:
+            prompt = llm.apply_chat_template(request.messages)
         else:
-            if request.messages is not None:
-                code = "chat_template_error"
-                text = llm.apply_chat_template(request.messages)
-            else:
-                text = request.prompt
-            if len(text) > llm.max_prompt_chars:
-                code = "prompt_too_long"
-                raise RequestError(
-                    f"the prompt has {len(text):,} characters, more than max_model_len "
-                    f"({llm.config.max_model_len}) tokens can hold. Shorten the prompt or raise --max-model-len."
-                )
-            code = "request_failed"
-            token_ids = llm.encode(text)
-        max_model_len = llm.config.max_model_len
-        if len(token_ids) >= max_model_len:
-            code = "prompt_too_long"
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len} "
-                "(prompt plus output). Shorten the prompt or raise --max-model-len."
-            )
-        code = "request_failed"
-        llm.add_request(token_ids, request.params, request_id=str(request.line))
+            prompt = request.prompt
+        llm.add_request(prompt, request.params, request_id=str(request.line))
     except RequestError as e:
-        return batch.LineError(request.line, request.id, request.kind, code, f"line {request.line}: {e}")
+        return batch.LineError(request.line, request.id, request.kind, e.code, f"line {request.line}: {e}")
     except Exception as e:  # the per-line boundary: a bug here must not end the job
         logger.debug("line %d: unexpected error while admitting", request.line, exc_info=True)
         return batch.LineError(request.line, request.id, request.kind, "internal_error",

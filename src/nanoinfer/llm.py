@@ -1,4 +1,8 @@
-"""LLM: the public facade. Owns the tokenizer; prompts -> Requests, finished Requests -> RequestOutputs."""
+"""LLM: the public facade. Owns the tokenizer and admission; prompts -> Requests, finished Requests -> RequestOutputs.
+
+`add_request` is the one place a prompt is checked before the engine queues it (tokenized, not empty, shorter
+than max_model_len): generate(), `nanoinfer generate`, every Ray replica and the Ray Data predictor go through it.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pathlib import Path
 from nanoinfer.config import Config
 from nanoinfer.engine.engine import LLMEngine, StepStats
 from nanoinfer.engine.sequence import Request, Sequence
-from nanoinfer.errors import ConfigError, ConfigProblem, RequestError
+from nanoinfer.errors import ConfigError, ConfigProblem, RequestError, UnservableRequestError
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import StructuredOutputManager
@@ -61,14 +65,25 @@ class LLM:
             sampling_params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
 
         Returns:
-            One RequestOutput per prompt. Requests that cannot be served finish with finish_reason "error".
+            One RequestOutput per prompt. Requests that cannot be served (an empty prompt, one longer than
+            max_model_len) finish with finish_reason "error", and the others run.
+
+        Raises:
+            RequestError: a malformed prompt (token ids outside the vocabulary) or SamplingParams list.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = _broadcast_params(sampling_params, len(prompts))
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = []
         results: dict[str, RequestOutput] = {}
+        for prompt, sp in zip(prompts, params):
+            try:
+                ids.append(self.add_request(prompt, sp))
+            except UnservableRequestError as e:
+                refused = _refused_output(str(next(self._request_counter)), prompt, sp, e)
+                ids.append(refused.request_id)
+                results[refused.request_id] = refused
         while self.has_unfinished_requests():
             for out in self.step()[0]:
                 results[out.request_id] = out
@@ -88,18 +103,53 @@ class LLM:
     # ---- the streaming API (used by `nanoinfer generate`) ----------------------------------------------
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one prompt; returns its request id. Raises RequestError for a malformed prompt."""
+        """Admit one prompt: tokenize it, check that it can be served, and queue it in the engine.
+
+        Args:
+            prompt: text (tokenized here) or token ids.
+            sampling_params: default SamplingParams().
+            request_id: default the next number of this LLM's counter.
+
+        Returns:
+            The request id.
+
+        Raises:
+            RequestError: token ids outside the vocabulary (code out_of_vocabulary).
+            UnservableRequestError: an empty prompt (code empty_prompt), or one of max_model_len tokens or more
+                (code prompt_too_long; text too long to fit is refused before tokenizing).
+        """
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_chars:
+                raise UnservableRequestError(
+                    f"the prompt has {len(prompt):,} characters, more than max_model_len "
+                    f"({self.config.max_model_len}) tokens can hold. Shorten the prompt or raise max_model_len "
+                    "(--max-model-len).",
+                    code="prompt_too_long",
+                )
             text, token_ids = prompt, self.encode(prompt)
         else:
             text, token_ids = None, self.check_token_ids(prompt)
+        self._check_length(len(token_ids))
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         request = Request(request_id, token_ids, params, prompt=text)
         if params.structured_outputs is not None:
             request.structured_output = self.structured_outputs.request_for(params.structured_outputs)
         self.engine.add_request(request)
         return request_id
+
+    def _check_length(self, num_prompt_tokens: int) -> None:
+        # The KV cache needs no check of its own: the engine starts only if it holds one max_model_len sequence
+        # (memory.check_fits), so a prompt shorter than max_model_len can always grow to it.
+        if num_prompt_tokens == 0:
+            raise UnservableRequestError("the prompt is empty: give at least one token.", code="empty_prompt")
+        max_model_len = self.config.max_model_len
+        if num_prompt_tokens >= max_model_len:
+            raise UnservableRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len} (prompt plus "
+                "output). Shorten the prompt or raise max_model_len (--max-model-len).",
+                code="prompt_too_long",
+            )
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
@@ -135,14 +185,16 @@ class LLM:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 f"the model {self.config.model} has no chat template, so `messages` cannot be formatted. "
-                "Send a plain `prompt` instead."
+                "Send a plain `prompt` instead.",
+                code="chat_template_error",
             )
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as e:  # a malformed conversation is the user's to fix
-            raise RequestError(f"the chat template could not format these messages: {e}") from None
+            raise RequestError(f"the chat template could not format these messages: {e}",
+                               code="chat_template_error") from None
 
     def check_token_ids(self, token_ids: Iterable) -> list[int]:
         token_ids = list(token_ids)
@@ -151,7 +203,8 @@ class LLM:
         if bad:
             raise RequestError(
                 f"prompt_token_ids has {len(bad)} id(s) outside the vocabulary [0, {vocab}): {bad[:5]}. "
-                "Use ids from this model's tokenizer."
+                "Use ids from this model's tokenizer.",
+                code="out_of_vocabulary",
             )
         return token_ids
 
@@ -201,6 +254,14 @@ def _has_bos_in_text(tokenizer, text: str) -> bool:
     # A chat-templated prompt already carries the BOS token as text; do not add a second one.
     bos = getattr(tokenizer, "bos_token", None)
     return bool(bos) and text.startswith(bos)
+
+
+def _refused_output(request_id: str, prompt, params: SamplingParams, error: RequestError) -> RequestOutput:
+    """What generate() returns for a prompt add_request refused: each of its n sequences finished with the error."""
+    text, token_ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
+    outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error", error=str(error),
+                                error_code=error.code) for i in range(params.n)]
+    return RequestOutput(request_id, text, token_ids, outputs)
 
 
 def _broadcast_params(params, n: int) -> list[SamplingParams]:

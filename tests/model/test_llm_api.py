@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.errors import RequestError
+from nanoinfer.errors import RequestError, UnservableRequestError
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +21,35 @@ def test_unservable_request_errors_while_the_rest_complete(llm):
     too_long = list(range(5, 5 + 300))  # 300 tokens > max_model_len 256
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([PROMPTS[0], too_long, PROMPTS[1]], params)
-    assert outs[1].finish_reason == "error"
+    assert outs[1].finish_reason == "error" and outs[1].error_code == "prompt_too_long"
     assert "max_model_len is 256" in outs[1].error
     assert [o.finish_reason for o in (outs[0], outs[2])] == ["length", "length"]
     assert all(len(o.token_ids) == 8 for o in (outs[0], outs[2]))
+
+
+def test_add_request_is_the_one_admission_check_and_names_each_refusal(llm, monkeypatch):
+    cases = [
+        (list(range(5, 5 + 256)), "prompt_too_long", "the prompt has 256 tokens, but max_model_len is 256"),
+        ([], "empty_prompt", "the prompt is empty"),
+        ("x" * (llm.max_prompt_chars + 1), "prompt_too_long", f"{llm.max_prompt_chars + 1:,} characters"),
+    ]
+    encoded = []
+    encode = type(llm).encode
+    monkeypatch.setattr(type(llm), "encode", lambda self, text: encoded.append(len(text)) or encode(self, text))
+    for prompt, code, message in cases:
+        with pytest.raises(UnservableRequestError, match=message) as excinfo:
+            llm.add_request(prompt, SamplingParams(max_tokens=4))
+        assert excinfo.value.code == code
+    assert encoded == []  # text too long to fit is refused before it is tokenized
+    assert not llm.has_unfinished_requests()  # nothing refused reached the engine
+    with pytest.raises(RequestError) as excinfo:
+        llm.add_request([1, 2, 10**9])
+    assert excinfo.value.code == "out_of_vocabulary"
+    request_id = llm.add_request(list(range(5, 5 + 255)), SamplingParams(temperature=0, max_tokens=4))
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()[0]
+    assert [(o.request_id, o.finish_reason, len(o.token_ids)) for o in outputs] == [(request_id, "length", 1)]
 
 
 def test_stop_token_ids_and_stop_strings_end_generation(llm):
