@@ -3,7 +3,10 @@
 Every user-facing settings check lives here and reports all problems at once (ConfigError). The seed's
 placeholders (hf_config, max_model_len clamping, device/dtype/attention "auto") are filled in by
 `__post_init__`, and each change is recorded in `notes` so `check-config` can show what was filled in and
-from where. YAML files and CLI flags are merged into a Config by `nanoinfer.config_file.build_config`.
+from where. Config reads a local model folder and fetches nothing: turning a model argument (the default's
+name, a .gguf file, a hub id) into that folder is `nanoinfer.model_source.resolve_model`'s step, taken before
+a Config is built (`nanoinfer.config_file.make_config`, used by LLM and every CLI command, which also merges
+YAML files and flags).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nanoinfer.errors import ConfigError, ConfigProblem
@@ -34,9 +38,11 @@ class Config:
     """Engine settings. Field names and defaults of the first eleven are the seed's (nano-vllm).
 
     Args:
-        model: a local Hugging Face folder, the built-in default `smollm2-135m-instruct`, or a hub repo id.
+        model: a local model folder holding a config.json: a Hugging Face snapshot, or the folder
+            `nanoinfer.model_source.resolve_model` makes for the built-in default `smollm2-135m-instruct`, a .gguf
+            file or a hub repo id (LLM(...), `config_file.make_config` and every CLI command resolve those first).
             A relative path is resolved against the current working directory (also when it comes from a
-            YAML file), as vLLM and transformers do.
+            YAML file), as vLLM and transformers do; `model` then holds the absolute path.
         max_num_batched_tokens: most tokens in one forward pass, summed over the scheduled sequences;
             must be >= max_num_seqs.
         max_num_seqs: most sequences in one forward pass.
@@ -123,13 +129,11 @@ class Config:
         self.cpu_kvcache_space_gib = float(self.cpu_kvcache_space_gib)
 
     def _load_model_config(self, bad: set[str]) -> list[ConfigProblem]:
-        """Resolve `model`, load its config.json, clamp max_model_len; model-dependent checks."""
-        from nanoinfer.model_source import resolve_model
-
-        try:
-            model_dir = resolve_model(self.model)
-        except ConfigError as e:
-            return list(e.problems)  # the model-dependent checks below need the model: skip them
+        """Load the model folder's config.json, clamp max_model_len; model-dependent checks."""
+        model_dir = Path(self.model).expanduser()
+        if not (model_dir / "config.json").is_file():
+            return [_not_a_model_folder(self.model, model_dir)]  # the checks below need the model: skip them
+        model_dir = model_dir.resolve()
         if str(model_dir) != self.model:
             self.notes.append(("model", str(model_dir), f"resolved from {self.model!r}"))
         self.model = str(model_dir)
@@ -353,6 +357,22 @@ def _describe(value) -> str:
     if isinstance(value, int):
         return f"an integer ({value})"
     return f"a {type(value).__name__}"
+
+
+def _not_a_model_folder(model: str, path: Path) -> ConfigProblem:
+    if path.is_dir():
+        what = f"folder {path} has no config.json"
+    elif path.exists():
+        what = f"{path} is a file, not a model folder"
+    else:
+        what = f"{path} is not a local model folder (nothing exists there)"
+    return ConfigProblem(
+        "model",
+        model,
+        f"{what}. Config reads a local Hugging Face model folder (config.json + *.safetensors + tokenizer files). "
+        f"The built-in default {DEFAULT_MODEL!r}, .gguf files and hub repo ids are resolved to such a folder "
+        "before Config: pass them to LLM(...) or --model, or call nanoinfer.model_source.resolve_model() first.",
+    )
 
 
 def _choice_problem(name: str, value, choices: tuple[str, ...]) -> ConfigProblem:

@@ -1,18 +1,21 @@
-"""YAML config files -> Config, strictly: the one place that merges flags, YAML and defaults.
+"""Settings -> Config: the one place that merges flags, YAML and defaults, and resolves the model argument first.
 
 `load_config_file` reads a file and refuses what PyYAML would silently accept (duplicate keys, unknown
-keys, quoted numbers, yes/no for numbers). `build_config` applies the precedence flag > YAML > default and
-builds the Config, which checks the values themselves; every CLI command calls it.
+keys, quoted numbers, yes/no for numbers). `make_config` resolves the model argument (model_source) and builds
+the Config, which checks the values themselves; LLM calls it. `build_config` applies the precedence
+flag > YAML > default before it; every CLI command calls that.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from nanoinfer.config import NOT_SETTABLE, Config, settable_fields, type_problem
+from nanoinfer.config import DEFAULT_MODEL, NOT_SETTABLE, Config, settable_fields, type_problem
 from nanoinfer.errors import ConfigError, ConfigProblem
 
 
@@ -167,12 +170,60 @@ def build_config(config_path: str | Path | None, overrides: dict) -> Config:
     Raises:
         ConfigError: every problem at once, those of the file (duplicate, unknown or unsettable keys) and
             those of the merged values (types, ranges, cross-field rules, model, device).
+        ModelLoadError: the built-in default or a hub model could not be fetched.
     """
     values, _, problems = merge_settings(config_path, overrides)
+    return make_config(values, problems)
+
+
+def make_config(settings: dict, problems: Sequence[ConfigProblem] = ()) -> Config:
+    """Resolve the model argument to a local folder (model_source.resolve_model), then build the Config.
+
+    Args:
+        settings: Config fields. `model` may be anything resolve_model takes: a model folder, a .gguf file (or a
+            folder holding one), the built-in default's name, a hub repo id; without it, the built-in default.
+        problems: problems found before (a YAML file's), reported first.
+
+    Returns:
+        The validated Config. `model` is the local folder; a note records the argument it was resolved from.
+
+    Raises:
+        ConfigError: every problem at once: the earlier ones, the model argument's and the other fields'.
+        ModelLoadError: the built-in default or a hub model could not be fetched.
+    """
+    from nanoinfer.model_source import resolve_model
+
+    settings = dict(settings)
+    given = settings.get("model", DEFAULT_MODEL)
+    if isinstance(given, os.PathLike):
+        given = os.fspath(given)
+    model_problems: list[ConfigProblem] = []
+    if isinstance(given, str) and given.strip():  # a wrong type or an empty value is Config's to report
+        try:
+            settings["model"] = str(resolve_model(given))
+        except ConfigError as e:
+            model_problems = e.problems
     try:
-        config = Config(**values)
+        config = Config(**settings)
     except ConfigError as e:
-        raise ConfigError(problems + e.problems) from None
-    if problems:
-        raise ConfigError(problems)
+        raise ConfigError([*problems, *_in_place_of_model_problems(e.problems, model_problems)]) from None
+    if problems or model_problems:
+        raise ConfigError([*problems, *model_problems])
+    if config.model != given:  # the user's text, for messages; Config's own note only saw the resolved folder
+        config.notes[:] = [note for note in config.notes if note[0] != "model"]
+        config.notes.insert(0, ("model", config.model, f"resolved from {given!r}"))
     return config
+
+
+def _in_place_of_model_problems(problems: list[ConfigProblem], model_problems: list[ConfigProblem]) -> list:
+    """Config's problems, with those of an unresolvable model argument where Config's "not a model folder" was."""
+    if not model_problems:
+        return problems
+    merged = []
+    for problem in problems:
+        if problem.field != "model":
+            merged.append(problem)
+        elif model_problems:
+            merged += model_problems
+            model_problems = []
+    return merged + model_problems

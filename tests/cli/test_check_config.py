@@ -141,3 +141,11 @@ def test_help_describes_the_command():
     result = runner.invoke(app, ["check-config", "--help"], env=WIDE)
     assert result.exit_code == 0
     assert "Check a config before a long job" in result.output and "--max-model-len" in result.output
+
+
+def test_json_reports_an_unresolvable_model_argument_with_the_other_problems(tmp_path):
+    result = check("--json", "--model", str(tmp_path / "nope"), "--kvcache-block-size", "100", "--device", "cpu")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    problems = json.loads(result.output)["problems"]
+    assert [p["field"] for p in problems] == ["kvcache_block_size", "model"]
+    assert "does not exist" in problems[1]["message"] and "smollm2-135m-instruct" in problems[1]["message"]

@@ -94,6 +94,24 @@ def test_missing_model_is_reported_with_the_other_problems(tmp_path):
     assert [p.field for p in problems] == ["kvcache_block_size", "model"]  # tp=3 needs the model: skipped
 
 
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "Qwen/Qwen3-0.6B", "model.gguf"])
+def test_config_reads_local_folders_only_and_never_fetches(model, tmp_path, monkeypatch):
+    """Names, hub ids and .gguf files are model_source's to resolve, before Config: Config fetches nothing."""
+    from nanoinfer import model_source
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Config must not resolve, download or build a model")
+
+    for name in ("resolve_model", "ensure_default_model", "gguf_model_folder", "_download_from_hub"):
+        monkeypatch.setattr(model_source, name, refuse)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    problem = only_problem(model=model, device="cpu")
+    assert (problem.field, problem.value) == ("model", model)
+    assert "Config reads a local Hugging Face model folder" in problem.message
+    assert "nanoinfer.model_source.resolve_model()" in problem.message and "--model" in problem.message
+
+
 # (kwargs, field, value, text of the rule or fix the message must contain)
 RULES = [
     ({"kvcache_block_size": 100}, "kvcache_block_size", 100, "Use 256, 512"),

@@ -6,7 +6,7 @@ import pytest
 from transformers import Qwen3Config
 
 from nanoinfer.config import Config, field_default, settable_fields
-from nanoinfer.config_file import build_config, load_config_file, merge_settings
+from nanoinfer.config_file import build_config, load_config_file, make_config, merge_settings
 from nanoinfer.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -188,3 +188,25 @@ def test_default_yaml_spells_out_every_default():
     values = load_config_file(CONFIGS / "default.yaml")
     assert set(values) == set(settable_fields())
     assert values == {name: field_default(name) for name in settable_fields()}
+
+
+def test_make_config_resolves_the_model_argument_first_and_notes_what_was_given(model_dir, monkeypatch):
+    from nanoinfer import model_source
+
+    asked = []
+    monkeypatch.setattr(model_source, "resolve_model", lambda model: asked.append(model) or Path(model_dir))
+    config = make_config({"model": "my-alias", "device": "cpu"})
+    assert asked == ["my-alias"] and config.model == model_dir
+    assert config.notes[0] == ("model", model_dir, "resolved from 'my-alias'")
+    make_config({"device": "cpu"})
+    assert asked[-1] == "smollm2-135m-instruct"  # no model: the built-in default
+
+
+def test_an_unresolvable_model_is_reported_once_with_the_other_problems(tmp_path):
+    missing = str(tmp_path / "nope")
+    path = write(tmp_path, "foo: 1\nkvcache_block_size: 100\n")
+    with pytest.raises(ConfigError) as excinfo:
+        build_config(path, {"model": missing, "device": "cpu"})
+    problems = excinfo.value.problems
+    assert [p.field for p in problems] == ["", "kvcache_block_size", "model"]
+    assert "does not exist" in problems[2].message  # model_source's message, not Config's "not a folder"

@@ -234,21 +234,22 @@ def _build_config(config_path: Path | None, overrides: dict):
 
     values, _, _ = merge_settings(config_path, overrides)
     notes = []
-    if "model" not in values and _wants_cuda(values.get("device", "auto")):
+    model = values.get("model")
+    if model is None and _wants_cuda(values.get("device", "auto")):
         if not (CUDA_DEFAULT_MODEL_CONFIG / "config.json").is_file():
             raise NanoInferError(
                 f"the CUDA default model config {CUDA_DEFAULT_MODEL_CONFIG} is missing (it ships in the source "
                 "tree). Pass --model with a model folder."
             )
-        overrides = {**overrides, "model": str(CUDA_DEFAULT_MODEL_CONFIG)}
-        values["model"] = overrides["model"]
-    if "model" in values:
-        model_dir = resolve_model(str(values["model"]))
+        model = CUDA_DEFAULT_MODEL_CONFIG
+    if model is not None:  # resolved here, once: a folder with only a config.json gets random weights
+        model_dir = resolve_model(str(model))
         if bench_lib.needs_random_weights(model_dir):
             on_cuda = _wants_cuda(values.get("device", "auto"))
             weights_dtype = "bfloat16" if on_cuda and values.get("dtype") != "float32" else "float32"
-            overrides = {**overrides, "model": str(bench_lib.random_weight_model(model_dir, weights_dtype))}
             notes.append(f"{model_dir} has no weights: using random {weights_dtype} weights with its config.json")
+            model_dir = bench_lib.random_weight_model(model_dir, weights_dtype)
+        overrides = {**overrides, "model": str(model_dir)}
     return build_config(config_path, overrides), notes
 
 

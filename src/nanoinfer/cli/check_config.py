@@ -165,16 +165,15 @@ def check_config(
 
 
 def _check_json(config_path: Path | None, overrides: dict) -> None:
-    from nanoinfer.config import Config
-    from nanoinfer.config_file import merge_settings
+    from nanoinfer.config_file import make_config, merge_settings
     from nanoinfer.errors import ConfigError, NanoInferError
 
     values, sources, problems, resolved = {}, {}, [], None
     try:
         values, sources, problems = merge_settings(config_path, overrides)
-        resolved = Config(**values)
+        resolved = make_config(values, problems)
     except ConfigError as e:
-        problems = problems + e.problems
+        problems = e.problems  # the file's problems are among them
     except NanoInferError as e:  # e.g. the model source could not be fetched
         problems = problems + [{"field": "", "value": None, "message": str(e)}]
     ok = not problems
