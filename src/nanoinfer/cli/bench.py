@@ -17,27 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nanoinfer.cli import app, err_console, user_errors
-from nanoinfer.cli.check_config import (
-    AttentionBackendFlag,
-    CpuKvcacheSpaceGibFlag,
-    DeviceFlag,
-    DtypeFlag,
-    EnablePrefixCachingFlag,
-    EnforceEagerFlag,
-    GpuMemoryUtilizationFlag,
-    KvcacheBlockSizeFlag,
-    KvCacheDtypeFlag,
-    MaxModelLenFlag,
-    MaxNumBatchedTokensFlag,
-    MaxNumSeqsFlag,
-    ModelFlag,
-    NumKvcacheBlocksFlag,
-    NumSpeculativeTokensFlag,
-    NumThreadsFlag,
-    PromptLookupMaxFlag,
-    PromptLookupMinFlag,
-    TensorParallelSizeFlag,
-)
+from nanoinfer.cli.engine_options import EngineOptions, engine_options
 from nanoinfer.errors import NanoInferError
 
 # Workload defaults. CUDA: nano-vllm's bench.py shape. CPU: workload W of issue 8 (64 requests,
@@ -52,10 +32,10 @@ _ROOFLINE = "Roofline"
 
 
 @app.command("bench")
+@engine_options(exclude=("seed", "trust_remote_code"))  # --seed is the workload's
 def bench(
     ctx: typer.Context,
-    model: ModelFlag = None,
-    config: Annotated[Path | None, typer.Option(help="Engine YAML; flags override its values.")] = None,
+    engine: EngineOptions = None,  # @engine_options puts --config and the engine flags here
     num_requests: Annotated[
         int | None,
         typer.Option(help="Requests (default: 256 on CUDA, 64 on CPU).", rich_help_panel=_WORKLOAD),
@@ -102,24 +82,6 @@ def bench(
         typer.Option(help="Dense matrix rate in TFLOP/s for the roofline (default: the GPU table, or a probe).",
                      rich_help_panel=_ROOFLINE),
     ] = None,
-    dtype: DtypeFlag = None,
-    kv_cache_dtype: KvCacheDtypeFlag = None,
-    device: DeviceFlag = None,
-    max_num_seqs: MaxNumSeqsFlag = None,
-    max_num_batched_tokens: MaxNumBatchedTokensFlag = None,
-    max_model_len: MaxModelLenFlag = None,
-    kvcache_block_size: KvcacheBlockSizeFlag = None,
-    num_kvcache_blocks: NumKvcacheBlocksFlag = None,
-    cpu_kvcache_space_gib: CpuKvcacheSpaceGibFlag = None,
-    gpu_memory_utilization: GpuMemoryUtilizationFlag = None,
-    tensor_parallel_size: TensorParallelSizeFlag = None,
-    enforce_eager: EnforceEagerFlag = None,
-    attention_backend: AttentionBackendFlag = None,
-    enable_prefix_caching: EnablePrefixCachingFlag = None,
-    num_threads: NumThreadsFlag = None,
-    num_speculative_tokens: NumSpeculativeTokensFlag = None,
-    prompt_lookup_min: PromptLookupMinFlag = None,
-    prompt_lookup_max: PromptLookupMaxFlag = None,
 ):
     """Measure generation throughput on random prompts (nano-vllm's bench.py workload).
 
@@ -139,21 +101,10 @@ def bench(
     """
     from nanoinfer import bench as bench_lib
 
-    overrides = {
-        "model": model, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "device": device,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-        "kvcache_block_size": kvcache_block_size, "num_kvcache_blocks": num_kvcache_blocks,
-        "cpu_kvcache_space_gib": cpu_kvcache_space_gib, "gpu_memory_utilization": gpu_memory_utilization,
-        "tensor_parallel_size": tensor_parallel_size, "enforce_eager": enforce_eager,
-        "attention_backend": attention_backend, "enable_prefix_caching": enable_prefix_caching,
-        "num_threads": num_threads, "num_speculative_tokens": num_speculative_tokens,
-        "prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max,
-    }  # fmt: skip
     with user_errors():
         if compare is not None and compare not in COMPARE_CHOICES:
             raise NanoInferError(f"--compare {compare} is not a known peer. Use one of: {', '.join(COMPARE_CHOICES)}.")
-        cfg, notes = _build_config(config, overrides)
+        cfg, notes = _build_config(engine)
         defaults = CUDA_DEFAULTS if cfg.device == "cuda" else CPU_DEFAULTS
         workload = bench_lib.make_workload(
             num_requests if num_requests is not None else defaults["num_requests"],
@@ -226,13 +177,12 @@ def bench(
         console.print(f"wrote {output_json}", markup=False)
 
 
-def _build_config(config_path: Path | None, overrides: dict):
+def _build_config(engine: EngineOptions):
     """The Config, with the device-dependent default model; returns (config, notes for the user)."""
     from nanoinfer import bench as bench_lib
-    from nanoinfer.config_file import build_config, merge_settings
     from nanoinfer.model_source import resolve_model
 
-    values, _, _ = merge_settings(config_path, overrides)
+    values, _, _ = engine.merge()
     notes = []
     model = values.get("model")
     if model is None and _wants_cuda(values.get("device", "auto")):
@@ -249,8 +199,8 @@ def _build_config(config_path: Path | None, overrides: dict):
             weights_dtype = "bfloat16" if on_cuda and values.get("dtype") != "float32" else "float32"
             notes.append(f"{model_dir} has no weights: using random {weights_dtype} weights with its config.json")
             model_dir = bench_lib.random_weight_model(model_dir, weights_dtype)
-        overrides = {**overrides, "model": str(model_dir)}
-    return build_config(config_path, overrides), notes
+        engine = EngineOptions(engine.config_path, {**engine.overrides, "model": str(model_dir)})
+    return engine.build(), notes
 
 
 def _wants_cuda(device: str) -> bool:

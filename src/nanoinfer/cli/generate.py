@@ -22,29 +22,7 @@ from rich.markup import escape
 
 from nanoinfer import batch
 from nanoinfer.cli import app, err_console, user_errors
-from nanoinfer.cli.check_config import (
-    AttentionBackendFlag,
-    CpuKvcacheSpaceGibFlag,
-    DeviceFlag,
-    DtypeFlag,
-    EnablePrefixCachingFlag,
-    EnforceEagerFlag,
-    GpuMemoryUtilizationFlag,
-    KvcacheBlockSizeFlag,
-    KvCacheDtypeFlag,
-    MaxModelLenFlag,
-    MaxNumBatchedTokensFlag,
-    MaxNumSeqsFlag,
-    ModelFlag,
-    NumKvcacheBlocksFlag,
-    NumSpeculativeTokensFlag,
-    NumThreadsFlag,
-    PromptLookupMaxFlag,
-    PromptLookupMinFlag,
-    SeedFlag,
-    TensorParallelSizeFlag,
-    TrustRemoteCodeFlag,
-)
+from nanoinfer.cli.engine_options import EngineOptions, engine_options
 from nanoinfer.errors import BatchFileError, NanoInferError, OutputWriteError, ReplicaError, RequestError
 from nanoinfer.line_runner import FinishedLine, LineRunner
 from nanoinfer.progress import JobProgress
@@ -115,34 +93,14 @@ class Stopper:
 
 
 @app.command("generate")
+@engine_options()
 def generate(
     input: Annotated[
         str,
         typer.Argument(help="JSONL file of prompts, or - for stdin.", metavar="INPUT", show_default=False),
     ],
     output: Annotated[str, typer.Option("--output", "-o", help="JSONL file of records, or - for stdout.")],
-    config: Annotated[Path | None, typer.Option(help="Engine YAML; flags override its values.")] = None,
-    model: ModelFlag = None,
-    max_num_batched_tokens: MaxNumBatchedTokensFlag = None,
-    max_num_seqs: MaxNumSeqsFlag = None,
-    max_model_len: MaxModelLenFlag = None,
-    gpu_memory_utilization: GpuMemoryUtilizationFlag = None,
-    tensor_parallel_size: TensorParallelSizeFlag = None,
-    enforce_eager: EnforceEagerFlag = None,
-    kvcache_block_size: KvcacheBlockSizeFlag = None,
-    num_kvcache_blocks: NumKvcacheBlocksFlag = None,
-    device: DeviceFlag = None,
-    dtype: DtypeFlag = None,
-    kv_cache_dtype: KvCacheDtypeFlag = None,
-    attention_backend: AttentionBackendFlag = None,
-    seed: SeedFlag = None,
-    cpu_kvcache_space_gib: CpuKvcacheSpaceGibFlag = None,
-    enable_prefix_caching: EnablePrefixCachingFlag = None,
-    num_threads: NumThreadsFlag = None,
-    num_speculative_tokens: NumSpeculativeTokensFlag = None,
-    prompt_lookup_min: PromptLookupMinFlag = None,
-    prompt_lookup_max: PromptLookupMaxFlag = None,
-    trust_remote_code: TrustRemoteCodeFlag = None,
+    engine: EngineOptions = None,  # @engine_options puts --config and the engine flags here
     temperature: Annotated[
         float | None, _opt("--temperature", help="0 = greedy (default 1.0).", panel=_SAMPLING)
     ] = None,
@@ -250,29 +208,6 @@ def generate(
     Many machines: --data-parallel-size N runs N engine replicas on Ray, with the same records and the same
     --resume (also with another N); a replica that dies has its lines retried on the others.
     """
-    overrides = {
-        "model": model,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "max_num_seqs": max_num_seqs,
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "tensor_parallel_size": tensor_parallel_size,
-        "enforce_eager": enforce_eager,
-        "kvcache_block_size": kvcache_block_size,
-        "num_kvcache_blocks": num_kvcache_blocks,
-        "device": device,
-        "dtype": dtype,
-        "kv_cache_dtype": kv_cache_dtype,
-        "attention_backend": attention_backend,
-        "seed": seed,
-        "cpu_kvcache_space_gib": cpu_kvcache_space_gib,
-        "enable_prefix_caching": enable_prefix_caching,
-        "num_threads": num_threads,
-        "num_speculative_tokens": num_speculative_tokens,
-        "prompt_lookup_min": prompt_lookup_min,
-        "prompt_lookup_max": prompt_lookup_max,
-        "trust_remote_code": trust_remote_code,
-    }
     flags = {
         "temperature": temperature,
         "top_p": top_p,
@@ -297,7 +232,7 @@ def generate(
         with user_errors():
             _configure_logging(log_level)
             ray_replicas = _ray_replicas(data_parallel_size, ray_address)
-            job = prepare_job(input, output, config, overrides, flags, resume, overwrite, max_in_flight)
+            job = prepare_job(input, output, engine, flags, resume, overwrite, max_in_flight)
             if max_line_bytes < 1:
                 raise BatchFileError(f"--max-line-bytes must be >= 1, got {max_line_bytes}.")
             job.max_line_bytes = max_line_bytes
@@ -360,16 +295,13 @@ def _configure_logging(level: str | None) -> None:
 def prepare_job(
     input: str,
     output: str,
-    config_path: Path | None,
-    overrides: dict,
+    engine: EngineOptions,
     flags: dict,
     resume: bool,
     overwrite: bool,
     max_in_flight: int | None,
 ) -> Job:
     """Every file-level and config check; raises a NanoInferError (exit 2) before anything is loaded."""
-    from nanoinfer.config_file import build_config
-
     if resume and overwrite:
         raise BatchFileError(
             "--resume and --overwrite contradict each other: --resume continues OUTPUT, "
@@ -399,7 +331,7 @@ def prepare_job(
         batch.make_params(sampling_defaults, {})
     except batch.BadLine as e:
         raise RequestError(f"the sampling flags are invalid: {e.message}") from None
-    config = build_config(config_path, overrides)
+    config = engine.build()
     if max_in_flight is None:
         max_in_flight = min(4 * config.max_num_seqs, MAX_IN_FLIGHT_CAP)
     elif max_in_flight < 1:

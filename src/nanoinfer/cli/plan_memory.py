@@ -18,19 +18,8 @@ from rich.text import Text
 
 from nanoinfer import memory
 from nanoinfer.cli import app, user_errors
-from nanoinfer.cli.check_config import (
-    DtypeFlag,
-    GpuMemoryUtilizationFlag,
-    KvcacheBlockSizeFlag,
-    KvCacheDtypeFlag,
-    MaxModelLenFlag,
-    MaxNumBatchedTokensFlag,
-    MaxNumSeqsFlag,
-    ModelFlag,
-    NumKvcacheBlocksFlag,
-)
+from nanoinfer.cli.engine_options import EngineOptions, engine_options
 from nanoinfer.config import DTYPES, KV_CACHE_DTYPES, field_default, type_problem
-from nanoinfer.config_file import merge_settings
 from nanoinfer.errors import ConfigError, ConfigProblem, ModelLoadError, NanoInferError, OutOfMemoryError
 
 EXIT_DOES_NOT_FIT = 3
@@ -43,24 +32,13 @@ _FIELDS = (
 
 
 @app.command("plan-memory")
+@engine_options(_FIELDS)
 def plan_memory(
-    model: ModelFlag = None,
-    config: Annotated[Path | None, typer.Option(help="Engine YAML; flags override its values.")] = None,
+    engine: EngineOptions = None,  # @engine_options puts --config and the engine flags here
     gpu: Annotated[
         str | None, typer.Option(help="A card from the table: H200, A100-80GB, RTX-4090...")
     ] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="Device memory: 80GiB, 24GB, 143771MiB.")] = None,
-    tp: Annotated[
-        int | None, typer.Option("--tp", "--tensor-parallel-size", help="Ranks (GPUs) to shard over, 1..8.")
-    ] = None,
-    dtype: DtypeFlag = None,
-    kv_cache_dtype: KvCacheDtypeFlag = None,
-    max_model_len: MaxModelLenFlag = None,
-    max_num_seqs: MaxNumSeqsFlag = None,
-    max_num_batched_tokens: MaxNumBatchedTokensFlag = None,
-    gpu_memory_utilization: GpuMemoryUtilizationFlag = None,
-    kvcache_block_size: KvcacheBlockSizeFlag = None,
-    num_kvcache_blocks: NumKvcacheBlocksFlag = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ):
     """Plan the KV cache for a model on a GPU without loading weights or needing the GPU.
@@ -74,15 +52,8 @@ def plan_memory(
 
     Exit codes: 0 fits; 2 bad input (unknown GPU, bad size, bad config); 3 does not fit (the engine would refuse).
     """
-    flags = {
-        "model": model, "tensor_parallel_size": tp, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-        "gpu_memory_utilization": gpu_memory_utilization, "kvcache_block_size": kvcache_block_size,
-        "num_kvcache_blocks": num_kvcache_blocks,
-    }  # fmt: skip
     with user_errors():
-        settings = _settings(flags, config)
+        settings = _settings(engine)
         device = _device_memory(gpu, gpu_memory)
         report = build_report(settings, device)
     if json_output:
@@ -93,13 +64,13 @@ def plan_memory(
         raise typer.Exit(code=EXIT_DOES_NOT_FIT)
 
 
-def _settings(flags: dict, config_path: Path | None) -> dict:
+def _settings(engine: EngineOptions) -> dict:
     """Flag > YAML > Config default (config_file.merge_settings), checked; adds hf_config and model_dir.
 
     Not a full Config: that would also pick a device and dtype for this machine, and plan-memory plans
     for a GPU that need not be here.
     """
-    file_values, _, problems = merge_settings(config_path, flags)
+    file_values, _, problems = engine.merge()
     values = {name: file_values.get(name, field_default(name)) for name in _FIELDS}
     problems += [p for name in _FIELDS if (p := type_problem(name, values[name]))]
     if problems:
