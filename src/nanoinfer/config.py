@@ -25,6 +25,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+CPU_KERNELS = ("auto", "wait", "off")
 # Fields that are not user settings: filled in by __post_init__ (or, for eos, by the engine).
 NOT_SETTABLE = {
     "hf_config": "it is loaded from the model folder's config.json; point `model` at the folder instead",
@@ -73,6 +74,12 @@ class Config:
         cpu_kvcache_space_gib: KV-cache memory budget on CPU, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); > 0.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         num_threads: torch intra-op threads on CPU; 0 means one per physical core.
+        cpu_kernels: auto | wait | off: whether a CPU engine uses nanoinfer's compiled C++ kernels (several times
+            faster than plain torch; built once per machine, about 2 minutes). auto: use them when already built
+            here, else start building them in the background for the next run and serve this run on plain torch;
+            wait: build them now if needed and use them; off: plain torch. `nanoinfer generate` waits for a large
+            job (16,384 or more output tokens at its max_tokens) and `bench` always waits, unless this is set.
+            NANOINFER_DISABLE_CPU_KERNELS=1 in the environment means off. Ignored on CUDA.
         trust_remote_code: never turned on by nanoinfer itself; passed to transformers when loading
             config.json (and the tokenizer). Only set it for a model folder you trust.
         num_speculative_tokens: n-gram speculative decoding (vLLM's `ngram` method, prompt lookup): up to
@@ -106,6 +113,7 @@ class Config:
     cpu_kvcache_space_gib: float = 4.0
     enable_prefix_caching: bool = True
     num_threads: int = 0
+    cpu_kernels: str = "auto"
     trust_remote_code: bool = False
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
@@ -428,6 +436,8 @@ def _range_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
         lambda v: v >= 0,
         "must be 0 (one thread per physical core) or a positive thread count.",
     )
+    if "cpu_kernels" not in bad and c.cpu_kernels not in CPU_KERNELS:
+        problems.append(_choice_problem("cpu_kernels", c.cpu_kernels, CPU_KERNELS))
     check("eos", lambda v: v >= -1, "is filled in from the tokenizer; leave it at -1.")
     check(
         "num_speculative_tokens",

@@ -137,17 +137,20 @@ def load_config_file(path: str | Path) -> dict:
     return values
 
 
-def merge_settings(config_path: str | Path | None, overrides: dict) -> tuple[dict, dict, list[ConfigProblem]]:
+def merge_settings(
+    config_path: str | Path | None, overrides: dict, defaults: dict | None = None
+) -> tuple[dict, dict, list[ConfigProblem]]:
     """Apply flag > YAML > default: (values to pass to Config, field -> "flag"|"yaml"|"default", file problems).
 
-    An override whose value is None was not given and does not count.
+    An override whose value is None was not given and does not count. `defaults` are a command's own defaults
+    (e.g. bench's cpu_kernels: wait): they win over Config's, never over a flag or the file.
     """
-    unknown = set(overrides) - set(settable_fields())
+    unknown = (set(overrides) | set(defaults or {})) - set(settable_fields())
     if unknown:  # a CLI command passed a name Config does not have: a bug in that command, not user input
         raise TypeError(f"not Config fields: {sorted(unknown)}")
     file_values, problems, _ = read_config_file(config_path) if config_path is not None else ({}, [], {})
     flags = {key: value for key, value in overrides.items() if value is not None}
-    values = {**file_values, **flags}
+    values = {**(defaults or {}), **file_values, **flags}
     sources = {
         key: "flag" if key in flags else "yaml" if key in file_values else "default"
         for key in settable_fields()
@@ -155,7 +158,7 @@ def merge_settings(config_path: str | Path | None, overrides: dict) -> tuple[dic
     return values, sources, problems
 
 
-def build_config(config_path: str | Path | None, overrides: dict) -> Config:
+def build_config(config_path: str | Path | None, overrides: dict, defaults: dict | None = None) -> Config:
     """The Config for a CLI command: each field from its flag, else the YAML file, else the default.
 
     Args:
@@ -163,6 +166,7 @@ def build_config(config_path: str | Path | None, overrides: dict) -> Config:
             directory), or None for no file.
         overrides: field name -> value from the command's flags (same names as Config's fields); a value of
             None means the flag was not given.
+        defaults: the command's own defaults for fields neither a flag nor the file sets (else Config's).
 
     Returns:
         The validated Config (model resolved, hf_config loaded, "auto" values filled in, see `notes`).
@@ -172,7 +176,7 @@ def build_config(config_path: str | Path | None, overrides: dict) -> Config:
             those of the merged values (types, ranges, cross-field rules, model, device).
         ModelLoadError: the built-in default or a hub model could not be fetched.
     """
-    values, _, problems = merge_settings(config_path, overrides)
+    values, _, problems = merge_settings(config_path, overrides, defaults)
     return make_config(values, problems)
 
 

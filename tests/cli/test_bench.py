@@ -243,3 +243,13 @@ def test_nanoinfer_run_frees_its_engine_before_the_peer_loads(tiny_model):
     config = Config(model=tiny_model, device="cpu", cpu_kvcache_space_gib=0.01, max_model_len=64)
     run_nanoinfer(config, make_workload(2, (3, 5), (2, 3), seed=0, vocab_size=100), warmup=False)
     assert not [obj for obj in engines() if not any(obj is old for old in before)]
+
+
+def test_bench_waits_for_the_cpu_kernels_unless_told_otherwise(tiny_model):
+    from nanoinfer.cli.bench import _build_config
+    from nanoinfer.cli.engine_options import EngineOptions
+
+    config, _ = _build_config(EngineOptions(None, {"model": tiny_model, "device": "cpu"}))
+    assert config.cpu_kernels == "wait"  # bench measures the kernels
+    config, _ = _build_config(EngineOptions(None, {"model": tiny_model, "device": "cpu", "cpu_kernels": "off"}))
+    assert config.cpu_kernels == "off"

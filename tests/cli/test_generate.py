@@ -126,6 +126,38 @@ def test_resume_without_manifest_is_refused(files, tiny_model, no_model_load):
 
 
 # ---- resume and overwrite ---------------------------------------------------------------------------------------
+def test_a_large_job_waits_for_the_cpu_kernels_unless_cpu_kernels_is_set(tmp_path, tiny_model, monkeypatch):
+    configs = []
+
+    def capture(config):
+        configs.append(config)
+        raise KeyboardInterrupt  # stop before anything is generated: only the Config is looked at
+
+    monkeypatch.setattr(generate_cli, "load_llm", capture)
+    source = tmp_path / "in.jsonl"
+    # 64 non-blank lines x the default max_tokens 256 = 16,384 output tokens: large. Blank lines do not count.
+    source.write_text("".join(json.dumps({"prompt": f"p {i}"}) + "\n\n" for i in range(64)))
+    (tmp_path / "kernels.yaml").write_text(f"model: {tiny_model}\ncpu_kernels: auto\n")
+    cases = [
+        ([], "wait"),
+        (["--max-tokens", "255"], "auto"),  # 64 x 255 < 16,384
+        (["--cpu-kernels", "off"], "off"),
+        (["--config", tmp_path / "kernels.yaml"], "auto"),
+    ]
+    for args, expected in cases:
+        result = invoke(source, "-o", "-", "--model", tiny_model, "--device", "cpu", *args)
+        assert result.exit_code == 130, result.output
+        assert configs[-1].cpu_kernels == expected, args
+    assert generate_cli.engine_defaults(None, 10_000) == {}  # stdin: not counted in advance
+    assert generate_cli.engine_defaults(64, 256) == {"cpu_kernels": "wait"}
+
+
+def test_cpu_kernels_is_checked_with_the_other_settings(files, tiny_model, no_model_load):
+    source, out = files
+    result = invoke(source, "-o", out, "--model", tiny_model, "--cpu-kernels", "fast")
+    assert_refused(result, "cpu_kernels = 'fast': must be one of auto, wait, off")
+
+
 def test_resume_refuses_a_changed_input_model_or_setting(files, tiny_model, tmp_path):
     source, out = files
     assert invoke(source, "-o", out, "--model", tiny_model, *ENGINE_ARGS).exit_code == 0

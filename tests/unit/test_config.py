@@ -156,6 +156,7 @@ RULES = [
     ({"cpu_kvcache_space_gib": 0}, "cpu_kvcache_space_gib", 0, "must be positive. Use e.g. 4"),
     ({"num_threads": -1}, "num_threads", -1, "must be 0 (one thread per physical core)"),
     ({"model": ""}, "model", "", "is empty"),
+    ({"cpu_kernels": "fast"}, "cpu_kernels", "fast", "must be one of auto, wait, off"),
 ]
 
 

@@ -210,3 +210,14 @@ def test_an_unresolvable_model_is_reported_once_with_the_other_problems(tmp_path
     problems = excinfo.value.problems
     assert [p.field for p in problems] == ["", "kvcache_block_size", "model"]
     assert "does not exist" in problems[2].message  # model_source's message, not Config's "not a folder"
+
+
+def test_a_command_default_yields_to_the_file_and_the_flag(tmp_path, model_dir):
+    wait = {"cpu_kernels": "wait"}  # bench's and a large generate job's own default
+    assert build_config(None, {"model": model_dir, "device": "cpu"}, wait).cpu_kernels == "wait"
+    assert build_config(None, {"model": model_dir, "device": "cpu"}).cpu_kernels == "auto"  # Config's default
+    path = write(tmp_path, f"model: {model_dir}\ncpu_kernels: auto\n")
+    assert build_config(path, {"device": "cpu"}, wait).cpu_kernels == "auto"
+    assert build_config(path, {"device": "cpu", "cpu_kernels": "off"}, wait).cpu_kernels == "off"
+    _, sources, _ = merge_settings(None, {}, wait)
+    assert sources["cpu_kernels"] == "default"

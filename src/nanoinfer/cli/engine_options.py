@@ -52,6 +52,13 @@ FLAGS = {
         bool, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prefixes."
     ),
     "num_threads": _flag(int, "--num-threads", help="Torch threads on CPU; 0 = one per physical core."),
+    "cpu_kernels": _flag(
+        str,
+        "--cpu-kernels",
+        help="auto (the C++ CPU kernels when built here, else built in the background for the next run) | wait "
+        "(build them now, about 2 minutes once per machine) | off (plain torch). Default auto; generate waits for "
+        "jobs of 16,384+ output tokens, bench always waits.",
+    ),
     "num_speculative_tokens": _flag(
         int,
         "--num-speculative-tokens",
@@ -73,17 +80,18 @@ class EngineOptions:
     config_path: Path | None
     overrides: dict = field(default_factory=dict)
 
-    def merge(self) -> tuple[dict, dict, list]:
+    def merge(self, defaults: dict | None = None) -> tuple[dict, dict, list]:
         """(values, field -> "flag" | "yaml" | "default", the file's problems): see config_file.merge_settings."""
         from nanoinfer.config_file import merge_settings
 
-        return merge_settings(self.config_path, self.overrides)
+        return merge_settings(self.config_path, self.overrides, defaults)
 
-    def build(self):
-        """The Config: flag > YAML > default, the model argument resolved first (config_file.build_config)."""
+    def build(self, defaults: dict | None = None):
+        """The Config: flag > YAML > the command's `defaults` > Config's, the model argument resolved first
+        (config_file.build_config)."""
         from nanoinfer.config_file import build_config
 
-        return build_config(self.config_path, self.overrides)
+        return build_config(self.config_path, self.overrides, defaults)
 
 
 def engine_options(fields: Iterable[str] | None = None, *, exclude: Iterable[str] = (), config_option: bool = True):

@@ -30,6 +30,9 @@ from nanoinfer.progress import JobProgress
 logger = logging.getLogger("nanoinfer")
 
 MAX_IN_FLIGHT_CAP = 4096  # the default is 4 x max_num_seqs, at most this
+# A job of this many output tokens (lines x the default max_tokens) waits for the CPU kernels unless cpu_kernels is
+# set: plain torch is several times slower, so such a job gains more than their one-time build (~2 minutes) costs.
+WAIT_FOR_CPU_KERNELS_TOKENS = 16_384
 EXIT_OUTPUT_FAILED = 74  # sysexits' EX_IOERR: the output could not take more records (disk full, EIO)
 EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, what a Unix tool killed by a closed pipe exits with
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -331,23 +334,33 @@ def prepare_job(
         batch.make_params(sampling_defaults, {})
     except batch.BadLine as e:
         raise RequestError(f"the sampling flags are invalid: {e.message}") from None
-    config = engine.build()
+    # Counted before the Config is built: a large job's default for cpu_kernels depends on it.
+    sha256, num_lines = batch.scan_input(input_path) if input_path is not None else (None, None)
+    config = engine.build(defaults=engine_defaults(num_lines, sampling_defaults["max_tokens"]))
     if max_in_flight is None:
         max_in_flight = min(4 * config.max_num_seqs, MAX_IN_FLIGHT_CAP)
     elif max_in_flight < 1:
         raise BatchFileError(f"--max-in-flight must be >= 1, got {max_in_flight}.")
-    job = Job(input_path, output_path, config, sampling_defaults, resume, overwrite, max_in_flight)
-    if input_path is not None and output_path is None:
-        job.total = batch.scan_input(input_path)[1]
+    job = Job(input_path, output_path, config, sampling_defaults, resume, overwrite, max_in_flight, total=num_lines)
     if output_path is not None:
-        sha256, num_lines = batch.scan_input(input_path) if input_path is not None else (None, None)
-        job.total = num_lines
         job.manifest = batch.make_manifest(
             input_path or Path("-"), sha256, num_lines, config, sampling_defaults
         )
         if resume and output_path.exists():
             _check_manifest(output_path, job.manifest)
     return job
+
+
+def engine_defaults(num_lines: int | None, max_tokens: int) -> dict:
+    """generate's own Config defaults (a flag or the YAML file wins): a large job waits for the CPU kernels.
+
+    num_lines: the input's non-blank lines (None: stdin, not known in advance). With --resume all of them count:
+    what remains is known only once the output is read, after the model loads, and the run that started a large
+    job on this machine has built the kernels already, so waiting for them then costs nothing.
+    """
+    if num_lines is not None and num_lines * max_tokens >= WAIT_FOR_CPU_KERNELS_TOKENS:
+        return {"cpu_kernels": "wait"}
+    return {}
 
 
 def _read_json_schema(path: Path) -> dict:
