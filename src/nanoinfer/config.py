@@ -373,7 +373,7 @@ def _not_a_model_folder(model: str, path: Path) -> ConfigProblem:
     elif path.exists():
         what = f"{path} is a file, not a model folder"
     else:
-        what = f"{path} is not a local model folder (nothing exists there)"
+        what = f"folder {path} does not exist"
     return ConfigProblem(
         "model",
         model,
