@@ -37,10 +37,9 @@ def cases(draw) -> Case:
     num_blocks = draw(st.integers(2 if block_size == 1 else 1, 8))
     capacity = block_size * num_blocks
     max_model_len = draw(st.integers(2, min(capacity, 300)))
-    long_prompt = max_model_len + 1  # empty and too-long prompts are refused at admission
     requests = []
     for _ in range(draw(st.integers(1, 6))):
-        length = draw(st.integers(0, long_prompt))
+        length = draw(st.integers(1, max_model_len - 1))  # LLM.add_request refuses empty and too-long prompts
         # A short varied head then filler: equal heads give prefix-cache hits.
         head = [draw(st.sampled_from([7, 8])) for _ in range(min(length, 4))]
         max_tokens = draw(st.none() | st.integers(1, 12))

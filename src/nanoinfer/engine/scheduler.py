@@ -64,31 +64,11 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request, or finish it at once with an error if it can never be served."""
-        error = self._unservable_reason(len(request.prompt_token_ids), request.sampling_params.max_tokens)
-        if error is not None:
-            for seq in request.sequences:
-                self._finish(seq, "error", error=error)
-            self._finished_at_admission.append(request)
-            return
+        """Queue a request LLM.add_request admitted."""
+        # Admitted: not empty and shorter than max_model_len, which the whole KV cache holds (memory.check_fits).
+        assert 0 < len(request.prompt_token_ids) < self.max_model_len, len(request.prompt_token_ids)
         self._num_unfinished_requests += 1
         self.waiting.extend(request.sequences)
-
-    def _unservable_reason(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
-        if num_prompt_tokens == 0:
-            return "the prompt is empty: give at least one token."
-        if num_prompt_tokens >= self.max_model_len:
-            return (f"the prompt has {num_prompt_tokens} tokens, but max_model_len is {self.max_model_len} "
-                    "(prompt plus output). Shorten the prompt or raise max_model_len.")
-        cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
-        # The longest this request can grow; a KV footprint beyond the whole cache would be preempted forever.
-        # (The engine refuses max_model_len > cache via memory.check_fits, so this bites only then.)
-        max_len = min(self.max_model_len, num_prompt_tokens + (max_tokens or self.max_model_len))
-        if max_len - 1 > cache_tokens:  # the last token is sampled, never stored
-            return (f"the request can grow to {max_len} tokens (prompt {num_prompt_tokens} + max_tokens), but the "
-                    f"whole KV cache holds {cache_tokens}. Give the cache more memory (cpu_kvcache_space_gib / "
-                    "gpu_memory_utilization), lower max_tokens or shorten the prompt.")
-        return None
 
     @property
     def has_unfinished(self) -> bool:

@@ -31,7 +31,7 @@ def select_platform(device: str, dtype: str = "float32", cpu_kernels: str = "aut
 
 
 def select_platform_for(config) -> Platform:
-    return select_platform(config.device, config.dtype, getattr(config, "cpu_kernels", "auto"))
+    return select_platform(config.device, config.dtype, config.cpu_kernels)
 
 
 def current_platform() -> Platform:
