@@ -249,8 +249,8 @@ def run_hf_in_own_process(
 ) -> RunResult:
     """`run_hf` in a fresh process with this one's torch thread count: the peer runs as it does on its own.
 
-    In the same process it inherited nanoinfer's process-wide settings: with glibc keeping large freed blocks
-    (cpu_ops.keep_freed_memory_for_reuse) HF's W went from 64 to 81 tok/s, which is HF tuned by us, not HF.
+    In the same process it would inherit nanoinfer's process-wide settings (the platform's allocator set-up made
+    HF markedly faster: HF tuned by us, not HF; benchmarks/README.md).
     A NanoInferError raised there is raised here unchanged."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -443,20 +443,11 @@ def machine_info(device: str) -> dict:
     import transformers
 
     from nanoinfer import __version__ as nanoinfer_version
+    from nanoinfer.platforms import current_platform
 
-    cpu, flags = platform.processor() or platform.machine(), []
-    try:
-        with open("/proc/cpuinfo") as f:
-            first_cpu = f.read().split("\n\n")[0].splitlines()
-        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu if ":" in line)}
-        cpu = fields.get("model name", cpu)
-        flags = fields.get("flags", "").split()
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
+        **current_platform().describe(),
         "logical_cpus": os.cpu_count(),
-        "cpu_features": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -466,11 +457,6 @@ def machine_info(device: str) -> dict:
         "nanoinfer_revision": source_revision(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    if device == "cpu":
-        from nanoinfer.platforms.cpu.ops import cpu_ops
-
-        ops = cpu_ops()
-        info["cpu_kernels"] = getattr(ops, "simd", "built") if ops is not None else "unavailable (torch ops)"
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda

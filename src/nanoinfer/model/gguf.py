@@ -187,8 +187,8 @@ def q4_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> None:
     """Every tensor of the GGUF into `model` through the layers' weight loaders (names as in HF checkpoints)."""
-    # numpy asks for huge pages on its large arrays; freed, their memory stays in the heap (cpu_ops keeps freed
-    # blocks) and the CPU KV cache would inherit it, which is meant to stay on ordinary pages (model_runner).
+    # numpy asks for huge pages on its large arrays; freed, their memory stays in the heap (the CPU platform keeps
+    # freed blocks), where later allocations would inherit the advice.
     previous = _set_numpy_huge_pages(False)
     try:
         _load_gguf_weights(model, gguf_path, hf_config)

@@ -19,6 +19,12 @@ class Platform:
     # Rows are independent, so the result is the same.
     mlp_chunk_bytes: int | None = None
 
+    def describe(self) -> dict:
+        """Facts about the machine and the kernels in use, for benchmark records."""
+        import platform
+
+        return {"cpu": platform.processor() or platform.machine(), "platform_kind": self.name}
+
     # Process and engine set-up
 
     def setup_process(self, config, num_threads: int | None = None) -> None:

@@ -28,6 +28,22 @@ class CpuPlatform(Platform):
     def setup_process(self, config, num_threads: int | None = None) -> None:
         setup_process(num_threads or config.num_threads)
 
+    def describe(self) -> dict:
+        cpu, flags = super().describe()["cpu"], []
+        try:
+            with open("/proc/cpuinfo") as f:
+                first_cpu = f.read().split("\n\n")[0].splitlines()
+            fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu if ":" in line)}
+            cpu, flags = fields.get("model name", cpu), fields.get("flags", "").split()
+        except OSError:
+            pass
+        return {"cpu": cpu, "platform_kind": self.name,
+                "cpu_features": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+                "cpu_kernels": self.kernels_description()}  # fmt: skip
+
+    def kernels_description(self) -> str:
+        return "off (torch ops)"
+
     def build_runner(self, config, block_bytes: int, make_runner):
         from nanoinfer import memory
 
@@ -44,6 +60,9 @@ class CpuKernelPlatform(CpuPlatform):
 
     def __init__(self, ops):
         self.ops = ops  # the compiled extension (ops.py)
+
+    def kernels_description(self) -> str:
+        return getattr(self.ops, "simd", "built")
 
     def prepare_model(self, model) -> int:
         return cpu_linear.prepack_linear_weights(model)
