@@ -330,9 +330,11 @@ def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(tiny_model_dirs, f
     prompts = make_prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:8]
     expected, _, expected_top = hf_greedy(path, prompts, 16, dtype=torch.bfloat16, top_k=5)
     llm = LLM(str(path), dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.25)
-    packed = llm.engine.model_runner.model.model.layers[0].mlp.gate_up_proj.packed_weight
+    packed = getattr(llm.engine.model_runner.model.model.layers[0].mlp.gate_up_proj, "packed_weight", None)
     # The widening GEMM keeps SiLU-and-mul a separate op in bfloat16; the AMX one fuses it with its roundings.
-    assert packed is not None and packed.kind != "gated"
+    # (Nothing is packed on the plain-torch platform, with the kernels off.)
+    assert packed is None or packed.kind != "gated"
+    assert packed is not None or llm.engine.platform.name != "cpu" or not cpu_ops().vectorized
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))
     ours = [(o.token_ids, [{t for t, _ in lp.top} for lp in o.outputs[0].logprobs]) for o in outputs]
     diverged = check_logprobs_close(ours, list(zip(expected, expected_top)), ("nanoinfer", "transformers"))
