@@ -18,7 +18,7 @@ from nanoinfer import LLM, SamplingParams
 from nanoinfer.cli import app
 from nanoinfer.errors import ModelLoadError, NanoInferError
 from nanoinfer.model import gguf as gguf_format
-from nanoinfer.platforms.cpu import linear as cpu_gemm
+from nanoinfer.platforms.cpu import linear as cpu_linear
 from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.testing.hf_reference import hf_greedy, hf_model
 from nanoinfer.testing.tiny_gguf import build_tiny_gguf
@@ -65,10 +65,10 @@ def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_dir, family
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_4bit_blocks_go_to_the_gemm_as_they_are(gguf_dir, kind, monkeypatch):
-    if not cpu_gemm.q4_panels_supported():
+    if not cpu_linear.q4_panels_supported():
         pytest.skip("this CPU's build has no 4-bit panel GEMM (AVX-512)")
     detected = []
-    monkeypatch.setattr(cpu_gemm, "pack_compact", lambda w, g: detected.append(w.shape) or None)
+    monkeypatch.setattr(cpu_linear, "pack_compact", lambda w, g: detected.append(w.shape) or None)
     path = build(gguf_dir, "llama", kind)
     llm = LLM(str(path), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
     linears = [m for name, m in llm.engine.model_runner.model.named_modules() if name.endswith("proj")]

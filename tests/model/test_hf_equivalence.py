@@ -102,7 +102,7 @@ def test_greedy_matches_transformers(tiny_model_dirs, references, family, regime
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_cpu_decode_is_bit_identical_to_the_layer_loop(tiny_model_dirs, references, family, monkeypatch):
-    """Pure-decode steps run every layer in one C++ call where they can (model/cpu_decode.py: Llama and Qwen2
+    """Pure-decode steps run every layer in one C++ call where they can (platforms/cpu/decode_runner.py: Llama and Qwen2
     here, not Qwen3's q/k norms): the same kernels in the same order, so the same tokens as transformers and
     the same log-probabilities, to the bit, as the per-layer path."""
     from nanoinfer.platforms.cpu.decode_runner import FusedDecode

@@ -4,8 +4,9 @@ A GGUF model runs from a folder that holds the .gguf and its Hugging Face metada
 file's metadata, the tokenizer and chat template converted by transformers' GGUF support, generation_config.
 `model_source` builds that folder once (no weights in it: a link to the file), or uses HF files a folder
 already has beside its GGUF. Weights load from the GGUF at every start: each tensor dequantized to float32 and
-cast to the model's dtype by the layer's own weight loader; on CPU in float32 the Q4_0 / Q4_1 blocks of the
-linears also go to the 4-bit GEMM as they are (cpu_gemm.compact_from_blocks), never found again from floats.
+cast to the model's dtype by the layer's own weight loader; where the platform's linear method reads them (the
+CPU kernels, float32), the Q4_0 / Q4_1 blocks of the linears are kept for it as they are, never found again from
+floats (platforms/cpu/linear.py, compact_from_blocks).
 """
 
 from __future__ import annotations
@@ -237,9 +238,9 @@ def _load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> No
 
 def _keep_blocks(model: torch.nn.Module, target: str, shard_id, blocks) -> None:
     """Remember a 4-bit tensor's blocks on its layer, at the rows its shard fills (one rank only: a shard of a
-    rank is not whole blocks of rows in general), for cpu_gemm to pack them as they are."""
+    rank is not whole blocks of rows in general), where the platform's linear method packs them as they are."""
     module = model.get_submodule(target.rsplit(".", 1)[0])
-    if getattr(module, "tp_size", 1) != 1:
+    if getattr(module, "tp_size", 1) != 1 or not module.platform.reads_q4_blocks:
         return
     index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id) or 0
     offset = sum(getattr(module, "output_sizes", [0])[:index])

@@ -18,6 +18,8 @@ class Platform:
     # The MLP runs at most this many bytes of [rows, 2 x intermediate] activations at a time (None: no limit).
     # Rows are independent, so the result is the same.
     mlp_chunk_bytes: int | None = None
+    # Does the linear method read a GGUF's Q4_0 / Q4_1 blocks as they are (the loader then keeps them on the layer)?
+    reads_q4_blocks = False
 
     def describe(self) -> dict:
         """Facts about the machine and the kernels in use, for benchmark records."""

@@ -57,6 +57,7 @@ class CpuPlatform(Platform):
 
 class CpuKernelPlatform(CpuPlatform):
     name = "cpu"
+    reads_q4_blocks = True
 
     def __init__(self, ops):
         self.ops = ops  # the compiled extension (ops.py)
