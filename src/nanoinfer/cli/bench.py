@@ -20,8 +20,8 @@ from nanoinfer.cli import app, err_console, user_errors
 from nanoinfer.cli.engine_options import EngineOptions, engine_options
 from nanoinfer.errors import NanoInferError
 
-# Workload defaults. CUDA: nano-vllm's bench.py shape. CPU: workload W of issue 8 (64 requests,
-# 32..256 in and out, SmolLM2-135M), so the HF ratio is the one issue 8 asks for; see benchmarks/README.md.
+# Workload defaults. CUDA: nano-vllm's bench.py shape. CPU: workload W (64 requests, 32..256 in and out,
+# SmolLM2-135M), the one benchmarks/README.md reports.
 CUDA_DEFAULTS = {"num_requests": 256, "input_len": (100, 1024), "output_len": (100, 1024)}
 CPU_DEFAULTS = {"num_requests": 64, "input_len": (32, 256), "output_len": (32, 256)}
 CUDA_DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "models" / "qwen3-0.6b"
@@ -149,7 +149,7 @@ def bench(
         if compare == "hf":
             console.print("running HF transformers generate ...", markup=False)
             # Another dtype than ours (--hf-dtype) compares across precisions, e.g. nanoinfer in bfloat16
-            # against HF in float32 (issue 8's 12x target); the table's dtype row says which ran in which.
+            # against HF in float32; the table's dtype row says which ran in which.
             hf = bench_lib.run_hf_in_own_process(model_dir, workload, hf_dtype or dtype_name, device_name,
                                                  hf_batch_size, warmup)  # fmt: skip
             runs.append(hf)

@@ -1,9 +1,8 @@
 // bfloat16 linear layers on Intel AMX (Sapphire Rapids and later): y = x W^T (+ b), W packed once at load.
 //
-// Why our own: oneDNN's bfloat16 kernels run a decode step's shapes well only at full batch. Measured in W
-// on a 2-core Sapphire Rapids (SmolLM2-135M, 2 threads): 795 GFLOP/s at 64 rows, 313-357 at 32-63, 181-202 at
-// 16-31 and 40-96 below 16, and every new row count costs 1.6-2.4 ms to build a primitive (W's batch
-// shrinks from 64 to 1 one sequence at a time). In decode the multiply is memory-bound (the weights stream
+// Why our own: oneDNN's bfloat16 kernels run a decode step's shapes well only at full batch, and every new row
+// count costs milliseconds to build a primitive, while a batch shrinks one sequence at a time
+// (benchmarks/README.md). In decode the multiply is memory-bound (the weights stream
 // from DRAM once a step), so a kernel that keeps DRAM busy at any row count is what pays.
 //
 // Layout (AMX's: a B tile is 16 rows of 16 column pairs, each pair two consecutive k values):
@@ -13,8 +12,7 @@
 //   two accumulator tiles of a row block hold gate and up for the same 16 outputs, and the epilogue
 //   stores silu(gate) * up with the roundings of the separate bfloat16 ops (as silu_and_mul does);
 // - a register block is 16 rows x one pair: two accumulator tiles, one of x, two of weights. A 32-row block
-//   (2 x 2 accumulators, the textbook AMX block) ran slower on every shape measured here: decode's 30 layers at 64 rows 21.7 -> 21.1 ms, at 48 rows
-//   23.5 -> 18.1 ms; 2,048 x 576 x 3,072 cached 604 -> 1,147 GFLOP/s (2 threads);
+//   (2 x 2 accumulators, the textbook AMX block) ran slower on every shape measured (benchmarks/README.md);
 // - rows are read in place (K a multiple of 32); the last block of rows, and x when K is not, goes
 //   through a zero-padded copy, so tiles never read past the input; each thread's first pair of a run of
 //   rows also stores the x tiles it loads, and its other pairs read those 1 KB contiguous tiles instead of
@@ -217,8 +215,8 @@ struct GreedySinks {
 // rounded, the product rounded: silu_mul_row's steps on 16 lanes (exp16 is exp8's), so the bits are those of
 // the gate_up linear followed by silu_and_mul.
 // The next block writes a few rows of it between its tile instructions, which the core then runs alongside
-// them. Written after the block, with the tile unit idle, it took 15-30% of the GEMM's time; interleaved, the
-// GEMM ran 1.05-1.2x faster (W's four shapes at 64-8,919 rows, 2 threads, old and new alternated).
+// them. Written after the block, with the tile unit idle, it took a large share of the GEMM's time
+// (benchmarks/README.md).
 struct Epilogue {
   const float* c = nullptr;
   int rows = 0, done = 0;
@@ -347,13 +345,12 @@ void run_amx(const bf16* x, int64_t M, int64_t K, const bf16* b, int64_t pairs, 
   // Each thread owns a contiguous range of a run's pairs, so it knows the pair it runs next and prefetches it
   // while it computes this one (in decode the weights come from DRAM: without it the loads waited on memory
   // while the tiles computed, then the tiles waited on the loads). A thread done with its range takes pairs
-  // from the end of another's: this VM's two vCPUs do not run at one speed, and with fixed ranges one thread
-  // waited for the other 8-19% of the decode linears' time and 13-34% of prefill's (measured in W).
+  // from the end of another's: virtual CPUs do not all run at one speed, and with fixed ranges one thread
+  // waited on the other for a good part of the linears' time.
   std::unique_ptr<PairRange[]> ranges(new PairRange[runs * threads]);
   // Each thread's copy of a run's rows of x as A tiles (by block, then k-step: 16 x 32 values, 1 KB
   // contiguous). A thread's first pair of a run reads x in place (row stride K) and stores each tile it loads
-  // there; its other pairs read the copy. Measured (2 threads, W's four shapes, old and new alternated):
-  // 1.05-1.3x at 64-8,919 rows, same bits.
+  // there; its other pairs read the copy: faster, the same bits (benchmarks/README.md).
   const int64_t run_tiles = std::min(blocks, RUN) * KB * kTileElems;
   static thread_local std::vector<bf16> tile_buf;
   if ((int64_t)tile_buf.size() < threads * run_tiles + 32) tile_buf.resize(threads * run_tiles + 32);

@@ -14,8 +14,8 @@ namespace {
 // other cost more than it saved: silu_and_mul of 64 x 1536 took 0.24 ms on one thread, 0.9 ms on two).
 inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(row_elems, 1)); }
 // fused_add_rms_norm's and rotary's: ~16K elements (28 rows of 576). They run between a decode step's GEMMs,
-// whose threads are still spinning, so the other thread joins in a microsecond or two: at 100 rows of 576
-// (W's middle decode steps) the norm took 35 us on one thread, 20 on two; rotary at 64 rows 24 -> 14 us.
+// whose threads are still spinning, so the other thread joins in a microsecond or two and the split pays even
+// at decode's row counts (benchmarks/README.md).
 inline int64_t step_row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
 // sum(x^2) over n floats.
@@ -80,9 +80,8 @@ inline void scale_row16(const bf16* x, const bf16* weight, bf16* out, int64_t n,
 // Two rows of fused_add_rms_norm in one pass (n a multiple of 16): residual += x, rounded, and each row's
 // sum of squares taken from the sums in registers, in normalize_row's order (8 lanes, ascending: the low
 // then the high half of each 16), so the bits are those of add_row then normalize_row. One row's sum is a
-// chain of n / 8 dependent multiply-adds; two rows' interleaved, each waits half as long on its own.
-// Measured (2 threads, 576 wide, with step_row_grain): 100 / 64 / 16 rows (decode) 35 / 24 / 5.8 -> 14 / 10 /
-// 4.3 us; 8,919 rows (W's prefill) 1.40 -> 1.02 ms.
+// chain of n / 8 dependent multiply-adds; two rows' interleaved, each waits half as long on its own
+// (benchmarks/README.md).
 inline void add_norm_rows2(bf16* x0, bf16* r0, bf16* x1, bf16* r1, const bf16* weight, int64_t n, float eps) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
@@ -208,8 +207,8 @@ static void rotary_impl(const int64_t* pos, T* qp, T* kp, const torch::Tensor& q
     const float* c = cp + pos[t] * D;
     const float* s = sp + pos[t] * D;
 #ifdef NANOINFER_AVX512
-    // bfloat16 with head_dim up to 128: the position's cos / sin, rounded, once for all its heads (rounding
-    // them again per head: 64 / 174 rows x 12 heads 14 / 33 -> 12.5-13 / 28-29 us).
+    // bfloat16 with head_dim up to 128: the position's cos / sin, rounded, once for all its heads rather than
+    // again per head.
     constexpr int kMaxChunks = 4;  // of 16 lanes, in half a head
     __m512 rc1[kMaxChunks], rc2[kMaxChunks], rs1[kMaxChunks], rs2[kMaxChunks];
     const bool hoisted = kBf16 && half % 16 == 0 && half <= 16 * kMaxChunks;

@@ -2,9 +2,8 @@
 // weights and inputs are widened to float32 in registers, which is exact, and summed in float32, so
 // AVX2 CPUs without native bfloat16 run a bfloat16 model at float32 speed on half the weight bytes).
 //
-// Why our own: on the 2-core AVX2 machines we measure on, oneDNN's packed sgemm runs the decode shapes
-// (M = batch of 1..64 rows, K = 576..1536) at 40-80 GFLOP/s; this kernel runs them at 85-120 and matches
-// oneDNN on prefill shapes (benchmarks/README.md). The layout is the classic one (GotoBLAS, BLIS):
+// Why our own: oneDNN's packed sgemm runs decode's shapes (a few dozen rows, K = 576..1536) at well under this
+// kernel's rate and is level with it on prefill shapes (benchmarks/README.md, design measurements). The layout is the classic one (GotoBLAS, BLIS):
 // - W [N, K] is packed into panels of 16 output columns, k-major: panel p is K rows of 16 floats, so the
 //   kernel streams it sequentially and every 64-byte line feeds 16 columns;
 // - x is repacked per call into 6-row blocks, k-major, so the 6 broadcasts of a k-step are adjacent;
@@ -21,8 +20,7 @@
 //   silu(gate) * up; the [rows, 2I] projection never goes to memory;
 // - that next panel is prefetched into L2 a line at a time, spread over all of the current panel's
 //   register tiles. In decode the weights come from DRAM once per step, and without this the first tile
-//   of each panel waited on memory while the others left the bus idle. Measured on W (2 threads, old
-//   and new builds alternated): decode 50.4 / 48.3 s -> 38.7 / 41.8 s, output 135-142 -> 153-162 tok/s;
+//   of each panel waited on memory while the others left the bus idle (benchmarks/README.md);
 // - a float32 weight that is exactly 4-bit blocks (csrc/q4_panels.h) is read in that form by steps of up to
 //   kQ4MaxRows rows, expanded into float32 in registers or L1 just before the tiles multiply it (the same bits).
 #include "q4_panels.h"
@@ -49,23 +47,21 @@ constexpr int64_t RUN_DIV = 2;  // a thread's run of panels: 1 / (RUN_DIV * thre
 constexpr int64_t MIN_RUN = 2;  // ...and at least this many
 // Below this many rows a thread leaves its next panel to the hardware prefetchers: a tile of so few rows
 // computes too briefly to spread the software prefetches over, and they only crowded the core's line fill
-// buffers (W's four decode shapes, 30 layers' weights from DRAM, 2 threads, old and new alternated: 1-11 rows
-// 1.09-1.15x with them off; from 12 rows on they pay, 96 rows ran 1.2x faster with them than without).
+// buffers; from 12 rows on they pay (benchmarks/README.md).
 constexpr int64_t kPrefetchMinRows = 12;
 constexpr int64_t kStreamOutputBytes = 16 << 20;  // a row-split output over this is written with streaming stores
 constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the panels, from this many chunks each
 // Up to this many rows a call given a weight's exact 4-bit form (pack_q4_panels) runs on it: below, the step is
-// bound by streaming the float32 weights; above, by the FMAs, and expanding costs more than the bytes it saves.
-// 30 layers' four linears, SmolLM2-135M, 2 threads, float32 -> 4-bit: 1 / 12 / 28 / 48 / 64 / 128 rows
-// 16.3 -> 6.4, 20.8 -> 11.5, 28.5 -> 25.3, 38.6 -> 37.8, 47.2 -> 49.3, 84.8 -> 90.0 ms. More rows run on AMX
+// bound by streaming the float32 weights; above, by the FMAs, and expanding costs more than the bytes it saves
+// (benchmarks/README.md, design measurements). More rows run on AMX
 // where the weight also has that form (csrc/q4_amx_gemm.cpp), else on the float32 panels.
 constexpr int64_t kQ4MaxRows = 48;
 
 // A share of the next panel's 64-byte lines for one register tile to prefetch, spread over its k-steps.
 // A tile's share is at most one line per k-step (a panel has K * 16 * 4 / 64 = K lines in float32, and
 // every tile takes its share), so the kernel prefetches on every k-step, the line advancing by `step` / 2^32:
-// no branch in the loop. With a branch that fired every few k-steps instead, its mispredictions cost
-// 20-30% of the kernel's speed (measured in L1: 61-67 against 82 GFLOP/s on one core).
+// no branch in the loop: a branch that fired every few k-steps instead cost a fifth or more of the kernel's speed
+// in mispredictions.
 struct Prefetch {
   const char* line = nullptr;
   uint64_t step = 0;  // 64-byte lines per k-step, 32.32 fixed point; 0: no prefetch (the line is re-read)
@@ -82,8 +78,8 @@ inline at::BFloat16 store_as(float x, at::BFloat16*) { return static_cast<at::BF
 
 #if defined(NANOINFER_AVX512)
 // k-steps ahead that a tile asks for its weights and rows of x into L1. Left to the hardware, the two streams
-// from L2 kept the FMA ports ~20% idle (the tile on operands already in L1 ran at 96% of the FMA peak, the GEMM
-// at ~81%); with them, W's decode shapes ran 4-8% faster and 1,365 rows 4.6% (8 k-steps ahead: about the same).
+// from L2 kept the FMA ports partly idle; with the prefetches the decode and prefill shapes ran faster
+// (benchmarks/README.md).
 constexpr int64_t kL1Ahead = 16;
 
 // R rows x NPT panels of float32 (or bfloat16) weights at b (panel j at b + j * K * NR): the sums into acc.
@@ -338,7 +334,7 @@ void panel(const float* a, B b, int64_t K, O* c, int64_t ldc, const int* ncols, 
            const float* bias, const void* next, int64_t next_bytes, bool stream) {
   const int64_t tiles = (rows + MR - 1) / MR;
   // 4-bit weights are prefetched at any row count: expanding them keeps even a 1-row tile busy long enough to
-  // spread the prefetches over (1 / 4 / 12 rows, 30 layers: 6.65 / 7.49 / 12.43 -> 5.97 / 6.92 / 11.14 ms).
+  // spread the prefetches over.
   const int64_t min_rows = std::is_same_v<B, Q4Panels> ? 0 : kPrefetchMinRows;
   const int64_t lines = next && rows >= min_rows ? (next_bytes + 63) / 64 : 0;
   auto share = [&](int64_t t) {  // tile t's lines of the next panels
@@ -562,18 +558,14 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
   };
   if (M >= ROW_SPLIT_CHUNKS * MC * threads) {
     // Many rows (a prefill): each thread claims chunks of rows and runs every panel over its own chunk,
-    // packed into its own buffer, with no barrier at all. Sharing each chunk's panels cost two barriers a
-    // chunk and the packing of half of it by the other core: two threads ran W's prefill shapes at ~190
-    // GFLOP/s where two single-threaded processes side by side ran 112-124 each. Measured with old and
-    // new builds alternated (2 threads): 1,365 rows 1.02-1.10x, 8,919 rows 1.08-1.29x; W's float32
-    // prefill step 14.2 / 14.7 -> 13.6 / 13.1 s. Chunks shrink towards the end so threads finish together;
+    // packed into its own buffer, with no barrier at all: sharing each chunk's panels cost two barriers a
+    // chunk and the packing of half of it by the other core (benchmarks/README.md). Chunks shrink towards the
+    // end so threads finish together;
     // a row's sums are the same whichever thread or chunk computes it.
     // Each line a store misses is first read in for ownership: a second stream of the output's bytes, on the
     // path the weights and x come by. Streaming stores write whole lines to memory without that read, but
-    // then the next op reads the output from memory, not from L3. On the 2-core VM (~100 MB of L3 in use)
-    // W's prefill in one step (8,919 rows, outputs 20-55 MB) ran its linears at 427-431 GFLOP/s against
-    // 396-397 and the step in 5.26-5.29 s against 5.44-5.55; in steps of 2,048 or 1,024 rows (outputs
-    // 2.4-12.6 MB) streaming from 4 MiB made the steps 1-3% slower, so only outputs over 16 MiB stream.
+    // then the next op reads the output from memory, not from L3: a gain for outputs far larger than L3, a
+    // loss for those of a few MB, so only outputs over 16 MiB stream (benchmarks/README.md).
     stream = std::is_same_v<T, float> && M * N * (int64_t)sizeof(T) > kStreamOutputBytes;
     std::atomic<int64_t> cursor{0};
     #pragma omp parallel num_threads(threads)
@@ -604,8 +596,8 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
   }
   // Fewer rows (a decode step): the threads split each chunk's panels, and every chunk streams all of the
   // weights again, so the rows go in as few chunks as keep a chunk of x in L2 (DECODE_CHUNK_BYTES), of
-  // equal size. In MC-row chunks, 128 rows ran as 120 + 8 and 175 as 120 + 55: 30 layers' float32 decode
-  // linears ran at 293 / 323 GFLOP/s against 359 at 120 rows (benchmarks/README.md, seventeenth round).
+  // equal size: in MC-row chunks, 128 rows ran as 120 + 8, and the short chunk cost a full pass over the
+  // weights (benchmarks/README.md).
   const int64_t max_rows = std::max<int64_t>(MC, DECODE_CHUNK_BYTES / (K * (int64_t)sizeof(float)) / MR * MR);
   const int64_t chunks = (M + max_rows - 1) / max_rows;
   const int64_t chunk_rows = ((M + chunks - 1) / chunks + MR - 1) / MR * MR;
@@ -628,7 +620,7 @@ static void run_linear(const T* xs, const T* b, const float* bias, T* c, int64_t
       do {
         if (start >= end) return int64_t(-1);
         // Whole register tiles (NP panels): a run of odd length ends in a one-panel tile, which does half
-        // the FMAs per broadcast (with odd runs 4.4% of W's float32 decode went to such tiles).
+        // the FMAs per broadcast.
         len = std::max<int64_t>(MIN_RUN, (end - start) / (RUN_DIV * threads));
         len = std::min(end - start, (len + NP - 1) / NP * NP);
       } while (!cursor.compare_exchange_weak(start, start + len, std::memory_order_relaxed));

@@ -2,8 +2,8 @@
 // found from bfloat16 logits (AMX) and an error bound, then confirmed in float32 on a few candidates.
 //
 // Why: the LM head is a fifth of SmolLM2-135M's multiply-adds per token (49,152 x 576 of 134.5M) and in float32
-// it runs at the FMA ports' rate; with AMX the same product in bfloat16 costs ~a third (W's float32 decode on a
-// 2-core Sapphire Rapids-class VM: 1.87 s of the LM head in a 13.6 s decode). Greedy decoding needs only the
+// it runs at the FMA ports' rate; with AMX the same product in bfloat16 costs ~a third, and the float32 head was
+// a large part of a float32 decode (benchmarks/README.md). Greedy decoding needs only the
 // index of each row's largest logit, and that index can be found exactly without every float32 logit:
 //
 //   L_j  = the float32 logit our panel GEMM computes (gemm.cpp: a sequential fused multiply-add over k from 0)

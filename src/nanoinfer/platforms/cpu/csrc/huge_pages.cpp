@@ -2,9 +2,8 @@
 // madvise, which is what most distributions enable: "madvise" mode does nothing for plain malloc memory).
 //
 // Why: a decode step streams every packed weight once (270 MB for SmolLM2-135M in bfloat16); on 4 KiB pages
-// that is ~66,000 pages a step, each a TLB miss. Measured on a 2-core Sapphire
-// Rapids (30 layers' decode linears, 212 MB, old and new alternated in one process): 14.1 -> 13.9 ms at 16
-// rows, 16.4 -> 16.0 at 32, 19.3 -> 17.6 at 48, 22.0 -> 21.3 at 64 (benchmarks/README.md, tenth round).
+// that is ~66,000 pages a step, each a TLB miss; on 2 MiB pages the decode linears ran faster
+// (benchmarks/README.md, design measurements).
 //
 // The memory is an anonymous mapping: zero until written and committed page by page as it is first written
 // (a huge page at a time where the kernel grants one); the packed weights are written once, at load. The KV

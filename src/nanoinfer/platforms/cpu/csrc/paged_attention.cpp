@@ -4,9 +4,8 @@
 // Layouts as in reference.py: q [B, H_q, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D].
 //
 // Speed: decode reads every cached K/V row of every running sequence once per layer, so this loop is the
-// step's biggest cost after the linears. Measured on the 2-core AVX2 EPYC, 64 sequences x 300 tokens,
-// SmolLM2's 9/3 heads, one thread: 30 ms per layer for the first version (one KV head per work item, plain
-// loops), 6 ms for this one (whole cache rows per token, AVX2 dot products, exponentials and value sums).
+// step's biggest cost after the linears: whole cache rows per token, vectorized dot products, exponentials
+// and value sums, several times faster than a KV head per work item with plain loops (benchmarks/README.md).
 // Other CPUs take the portable scalar path, with the same results up to float32 rounding.
 // The cache may be bfloat16 or fp8 (e4m3 / e5m2) under float32 queries (kv_cache_dtype): each element is
 // widened in registers, and the whole-row reads move a half or a quarter of the bytes.
@@ -16,9 +15,8 @@
 
 #ifdef NANOINFER_AVX2
 // Each pass over the cache asks for the rows this many tokens ahead (their heads [h0, h1)) while it works on
-// the current one: the hardware prefetcher alone left the two threads at 9-11 GB/s of this machine's
-// ~14.5; measured in a standalone copy of this loop, 64 sequences x 150-256 tokens x 30 layers, float32
-// cache, prefetching 3-8 rows ahead took 10-20% off the time (4 here; a row is 768 bytes for SmolLM2).
+// the current one: the hardware prefetcher alone left memory bandwidth unused; 3-8 rows ahead all paid
+// (benchmarks/README.md; 4 here, a row is 768 bytes for SmolLM2).
 constexpr int kPrefetchRows = 4;
 
 // Asks for heads [h0, h1) of the row at `row` (a token's whole row of KV heads): into L1 (_MM_HINT_T0), or
@@ -126,8 +124,7 @@ static inline __m256 hsum8x8(const __m256* v) {
 // pk / pv (or null): the key and value rows (`lines` 64-byte lines each, from head h0) of the token
 // kPrefetchRows ahead, asked for here two lines a query head's dot (keys into L1, values into L2), the rest
 // at the end. Asked for all at once before the dots, they waited for line-fill buffers with the dots queued
-// behind them (half of the pass's samples); spread out, 44 sequences x 4 / 64 x 1 rows (float32, 30 layers,
-// blocks of 256, old and new alternated) took 37.0 -> 35.0 / 35.3 -> 34.2 ms, 20 x 4 16.6 -> 15.4.
+// behind them (half of the pass's samples); spread out, the pass ran faster (benchmarks/README.md).
 template <int C16, typename T>
 static inline void key_dots_f32(const T* row, const float* qf, int h0, int h1, int G, int chunks, int q0, int i,
                                 float* parked, const char* pk = nullptr, const char* pv = nullptr, int lines = 0) {
@@ -213,9 +210,8 @@ static inline void value_block(const T* v, const size_t* rows, int len, int t0, 
 // value_pass_avx512 for D = 16 C (query head qh's probabilities at probs[qh - q0][t], as there):
 // tokens in blocks of 32, whose value rows stay in L1 for the head groups after the first; each group of
 // N = 24 / C query heads keeps its accumulators in registers over a block. Each output element still sums its tokens in order, one FMA each:
-// the same bits. float32, 64 sequences x 300 tokens x 30 layers, against the 4-token loop (old and new
-// alternated, with key_dots_f32): 3 / 4 rows a sequence run as one 1.16-1.21x / 1.22-1.26x faster, one row
-// the same. (attend_amx has a value pass of its own on tiles, value_pass_amx.)
+// the same bits. Faster than the 4-token loop for several rows a sequence, level for one (benchmarks/README.md).
+// (attend_amx has a value pass of its own on tiles, value_pass_amx.)
 template <int C, typename T>
 static void value_pass_blocked(const T* v, const size_t* rows, int len, int G, int h0, int h1,
                                const float* const* probs, float* acc) {
@@ -295,7 +291,7 @@ static void value_pass_avx512(const T* v, const size_t* rows, int len, int G, in
 }
 
 // attend_avx2's algorithm in about a quarter of its instructions, so that the cache's bytes, not the core,
-// set the pace (a bfloat16 cache ran at 10 GB/s of this machine's ~22 with the AVX2 loop):
+// set the pace (a bfloat16 cache ran at under half the memory's rate with the AVX2 loop):
 // - scores: 16-lane dot products, each folded to 8 lanes and parked; every 8 tokens one transposing
 //   reduction (hsum8x8) gives a head's 8 scores, where the AVX2 loop reduced each dot on its own;
 // - values: value_pass_avx512 (4 tokens at a time).
@@ -442,10 +438,8 @@ static inline void transpose16x16_epi32(__m512i* r) {
 //   as one, or not).
 // Tokens go in blocks of 32 from the first, each block's products added hi then lo: a fixed order per query
 // head. Tiles: 0-3 sums, 4 / 5 the parts, 6 the values.
-// Measured standalone (30 layers, 190-400-token sequences in DRAM, 2 threads, old and new builds alternated):
-// 43 sequences of 4 rows (W's speculative runs) 27.6-28.8 -> 24.6-25.9 ms; 64 / 43 / 16 lone rows the same
-// as before (29.8 -> 29.2, 19.4 -> 19.2, 5.6 -> 5.8 ms); 2 lone rows 0.6 -> 0.8 ms (a tile product costs
-// the same for 3 live rows as for 16). The key pass asks for the value rows too (into L2): left to this
+// Faster for sequences of several rows (speculation), level for lone rows except very few of them (a tile
+// product costs the same for 3 live rows as for 16; benchmarks/README.md). The key pass asks for the value rows too (into L2): left to this
 // pass, its requests queued behind each other and lone rows ran 10% slower than the AVX-512 pass.
 static void value_pass_amx(const at::BFloat16* v, const size_t* rows, int len, int G, int D, int a, int b,
                            const float* sg, float* acc) {
@@ -509,8 +503,7 @@ static void value_pass_amx(const at::BFloat16* v, const size_t* rows, int len, i
   // dim by dim, for 16 of the dims [16 cv0, 16 (cv0 + nc)). An unpack interleaves within 128-bit lanes, so a
   // 32-dim load of both tokens gives tile 2 c the dims 32 c + {0-3, 8-11, 16-19, 24-27} and tile 2 c + 1 the
   // rest; the sums are put back in order when they leave the tiles. In-order rows (permutex2var, as the
-  // prefill packs its values) built into one buffer measured 1-5% slower, attention alone (43 sequences of
-  // 1 and 4 rows, 30 layers, alternated).
+  // prefill packs its values) built into one buffer measured slower.
   auto build_values = [&](int h, int cv0, int nc, int t0, bf16* vt) {
     for (int i = 0; i < 16; ++i) {
       const int t = t0 + 2 * i;
@@ -578,10 +571,8 @@ static void value_pass_amx(const at::BFloat16* v, const size_t* rows, int len, i
 // each; row stride Hkv * D); the queries are packed once per sequence as B tiles, each KV head's 32-dim chunk
 // against all 16 query columns, zero in the columns of other KV heads' queries, so summing the products of
 // every head's chunks leaves each column the dots with its own KV head. With vdpbf16ps (attend_avx512) the
-// key pass was bound by the core, not the cache's bytes: 20 ms for 30 layers of W-sized sequences even with
-// the cache in L3. Measured standalone (64 sequences x 190-290 tokens x 30 layers, 2 threads, old and new
-// alternated): cache in L3 17.0 -> 13.6 ms; cache in DRAM 23.2 -> 22.6 ms, where both passes now wait on
-// memory (each alone at ~11-15 GB/s of the ~20 this VM reads) and the softmax's exponentials take ~13%.
+// key pass was bound by the core, not the cache's bytes, even with the cache in L3; on tiles it is faster,
+// and from DRAM both passes now wait on memory (benchmarks/README.md).
 // The scores stay token-major ([token][16 columns], as the tile stores them): the softmax runs with query
 // heads as lanes, and value_pass_amx turns them into rows of tokens for its tiles.
 // One sequence, KV heads [h0, h1): qb its bfloat16 queries [Hq, D] (D a multiple of 32, G <= 16); acc [Hq, D]
@@ -797,16 +788,13 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   run_starts.push_back(B);
   // Work items: whole runs (sequences) from one a thread, else one KV head of a run, so that a lone long
   // sequence still uses every thread. A head's slice of each cache row is a short read every row, which
-  // this machine's memory serves at a fraction of the rate of whole rows: with 2 threads, a decode tail of
-  // 2 / 4 / 6 sequences x 400-500 tokens x 30 layers ran 1.22-1.35x faster as whole runs than as heads
-  // (3 sequences, one thread taking two: 1.02-1.09x), float32 and bfloat16 caches alike. Each row's
+  // memory serves at a fraction of the rate of whole rows, so a decode tail of a few sequences ran faster as
+  // whole runs than as heads (benchmarks/README.md). Each row's
   // result is the same either way (the same per-head arithmetic), only who computes it differs.
   const int splits = num_runs >= omp_get_max_threads() ? 1 : Hkv;
   const int heads_per_item = Hkv / splits;
   // Longest runs first (longest context, then most rows): threads claim items dynamically, and the last item
-  // claimed is what the other threads wait for at the end, so it should be a short one. float32, 30 layers,
-  // blocks of 256, both build orders: 20 sequences x 4 rows 15.4 -> 14.4 / 14.7 ms; 44 x 4, 64 x 1 and
-  // bfloat16 level (benchmarks/README.md, twenty-first round).
+  // claimed is what the other threads wait for at the end, so it should be a short one (benchmarks/README.md).
   std::vector<int> order(num_runs);
   for (int r = 0; r < num_runs; ++r) order[r] = r;
   auto work = [&](int r) {
@@ -877,9 +865,8 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
 #ifdef NANOINFER_AVX512
           if (rows_as_one && b < b_last) {
             // R rows of the run at once, as one row with R * G query heads a KV head: each key and value row
-            // is loaded once for all of them. float32, 64 sequences x 300 tokens, 30 layers, against the rows
-            // one after another (old and new alternated): 2 / 3 / 4 rows a sequence 110.6 / 149.1 / 169.8 ->
-            // 91.4 / 115.6 / 133.7 ms (one row 72 ms). The queries, not the cache, are most of the loads now.
+            // is loaded once for all of them (benchmarks/README.md). The queries, not the cache, are most of
+            // the loads now.
             const int R = std::min(b_last - b + 1, kMaxRunRows), GR = R * G, run_len = lens[b + R - 1];
             run_qf.resize((size_t)Hkv * GR * D);
             run_accf.resize((size_t)Hkv * GR * D);
@@ -969,12 +956,9 @@ static inline void store_row(const TS* src, TC* dst, int64_t n) {
 }
 
 // Rows are stored by all threads from 16 rows a step up: a store into fresh pages is mostly the OS committing
-// them (W's prefill: 0.5-1 s of store on one thread, for ~420 MB of K/V), which two threads fault in side by
-// side (the engine now commits a block whole before its first store: ModelRunner.commit_new_blocks).
-// Measured (2-core Sapphire Rapids VM, 30 layers' K and V, 64 sequences x 4 rows a step over fresh pages):
-// 190-210 ms on one thread, 106-118 ms on two, for 360 MB. On resident pages two threads cost ~20 us more a
-// step below ~32 rows (the parallel region) and save 40 us at 64; the tail's few rows stay on the calling
-// thread.
+// them, which two threads fault in side by side (the CPU KV cache now commits a block whole before its first
+// store: platforms/cpu/kv_cache.py). On resident pages the parallel region costs more than it saves below ~32
+// rows (benchmarks/README.md); the tail's few rows stay on the calling thread.
 constexpr int64_t kParallelStoreRows = 16;
 
 template <typename TS, typename TC>

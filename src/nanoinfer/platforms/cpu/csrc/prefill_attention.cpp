@@ -12,10 +12,10 @@
 // AVX-512 (two 16-key groups, or 32 value dims, at once), each lane summing in the same order, so the same bits.
 //
 // bfloat16 queries over a bfloat16 cache on a CPU with AMX take attend_amx instead: the same algorithm with
-// both products on tiles (W's prefill attention, standalone, 30 layers: 737 -> 404 ms).
+// both products on tiles, faster still.
 //
-// Why our own: torch's SDPA took W's prefill attention (64 prompts of 32-256 tokens, 30 layers: one call per
-// prompt per layer, 1,920 calls) at ~23 GFLOP/s; see benchmarks/README.md for this kernel's figures.
+// Why our own: torch's SDPA takes one call per prompt per layer, at a small fraction of this kernel's rate on a
+// batch of short prompts (benchmarks/README.md).
 #include "amx.h"
 
 #include <array>
@@ -284,9 +284,8 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
 // - values: vb[g][c] (32 keys 32 g.., dims 16 c..), row i = keys 32 g + 2 i, + 1 of each dim.
 // The probabilities enter the second product as two bfloat16 parts, p = hi + lo (hi = p rounded, lo = the
 // rest rounded), so P V keeps ~16 of p's bits: with p rounded once (as torch's bfloat16 CPU flash attention
-// does) 36% of W-shaped outputs missed their correctly rounded value, with both parts 0.2% did (the float32
-// path's accuracy). The low part's products cost ~19% (W-shaped, 30 layers: 340 -> 404 ms; the float32 path
-// took 737 in the same run). Sums are float32.
+// does) about a third of the outputs missed their correctly rounded value, with both parts almost none did (the
+// float32 path's accuracy), for about a fifth more time (benchmarks/README.md). Sums are float32.
 void pack_kv_amx(const bf16* kc, const bf16* vc, const Chunk& c, int h, int Hkv, int D, int bs, bf16* kb, bf16* vb) {
   const int64_t kv_stride = (int64_t)Hkv * D;
   const int keys = (c.seq_len + kKeyTile - 1) / kKeyTile * kKeyTile;

@@ -2,7 +2,7 @@
 // back to float32 panel rows (csrc/gemm.cpp's layout) that the panel GEMM runs on (AVX-512 builds).
 //
 // Why: a decode step of a few dozen rows is bound by streaming every weight from DRAM once (424 MB a step for
-// SmolLM2-135M in float32, ~15 ms on the 2-core VM), not by its FMAs. A model dequantized from a GGUF Q4_1
+// SmolLM2-135M in float32), not by its FMAs. A model dequantized from a GGUF Q4_1
 // file (nanoinfer's built-in default is one) holds float32 values that are each d * q + m, with d and m
 // float16 per 32 consecutive inputs of an output and q in 0..15: 5 bits carry each value exactly. Stored so,
 // a step reads ~1/6 of the bytes and expands the weights into float32 (in registers, or a chunk at a time into
