@@ -270,6 +270,11 @@ class _Tiny(nn.Module):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_prepack_keeps_outputs_and_releases_unshared_weights(kind, monkeypatch):
+    from nanoinfer import platforms
+    from nanoinfer.platforms.cpu import CpuKernelPlatform
+
+    # The layers multiply through the packed-weight linear method (oneDNN's needs no extension).
+    monkeypatch.setattr(platforms, "_current", CpuKernelPlatform(cpu_ops()))
     monkeypatch.setattr("nanoinfer.platforms.cpu.linear.packing_kind", lambda dtype: kind)
     model = _Tiny()
     ids = torch.tensor([1, 7, 49])
