@@ -273,8 +273,12 @@ def test_prepack_keeps_outputs_and_releases_unshared_weights(kind, monkeypatch):
     from nanoinfer import platforms
     from nanoinfer.platforms.cpu import CpuKernelPlatform
 
-    # The layers multiply through the packed-weight linear method (oneDNN's needs no extension).
-    monkeypatch.setattr(platforms, "_current", CpuKernelPlatform(cpu_ops()))
+    # The layers multiply through the packed-weight linear method (oneDNN's needs no extension; without the
+    # extension the small ops stay torch's).
+    platform = CpuKernelPlatform(cpu_ops())
+    if cpu_ops() is None:
+        platform.silu_and_mul = platforms.Platform().silu_and_mul
+    monkeypatch.setattr(platforms, "_current", platform)
     monkeypatch.setattr("nanoinfer.platforms.cpu.linear.packing_kind", lambda dtype: kind)
     model = _Tiny()
     ids = torch.tensor([1, 7, 49])
