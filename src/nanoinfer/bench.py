@@ -4,7 +4,7 @@ Hugging Face transformers' batched `generate` on the identical requests in the s
 Owns the workload (random prompt ids, per-request output lengths), the two timed runs, peak memory and
 machine facts. Flags, tables and JSON files are `nanoinfer.cli.bench`'s job.
 
-Fairness rules (the same as issue 8's peer table):
+Fairness rules (the same as benchmarks/README.md's peer comparisons):
 - Both sides get the same prompts, greedy decoding, EOS ignored, one untimed warm-up, model load excluded.
 - Throughput counts *requested* output tokens only: useful output tok/s = sum(output_lens) / wall time.
 - HF batch `generate` takes one `max_new_tokens` per call, so each chunk of `hf_batch_size` requests

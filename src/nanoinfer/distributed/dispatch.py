@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 from nanoinfer.batch import BatchRequest, LineError
 
-# New lines a replica gets per call, at most: the first replica to ask must not take a whole small job (64
-# lines against a max_in_flight of 2,048 left the second replica idle: 0.54x one engine), and a replica asks
-# again with every call it returns (0.05-0.5 s of stepping), so a big one still fills up within seconds.
+# New lines a replica gets per call, at most: the first replica to ask must not take a whole small job while
+# the others sit idle (benchmarks/README.md, Ray replicas), and a replica asks again with every call it returns
+# (a fraction of a second of stepping), so a big one still fills up within seconds.
 HANDOUT_CHUNK = 16
 
 
