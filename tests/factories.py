@@ -101,3 +101,13 @@ def run_to_completion(
     raise AssertionError(
         f"still unfinished after {max_steps} steps: {scheduler.running + list(scheduler.waiting)}"
     )
+
+
+def spec_of(config: dict):
+    """The ModelSpec of a config.json's contents (a dict), as Config derives it through the registry."""
+    import transformers
+
+    from nanoinfer.models import registry
+
+    values = {k: v for k, v in config.items() if k != "model_type"}
+    return registry.model_spec(transformers.AutoConfig.for_model(config["model_type"], **values))

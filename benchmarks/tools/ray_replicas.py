@@ -102,7 +102,7 @@ def child(result: Path, generate_args: list[str]) -> None:
     """One `nanoinfer generate` in this process, timing the driver's loop (process CPU time: all its threads)."""
     from nanoinfer.cli import app
     from nanoinfer.cli import generate as generate_cli
-    from nanoinfer.distributed import ray_replicas
+    from nanoinfer.jobs import ray_replicas
 
     timings = {}
 

@@ -16,12 +16,15 @@ import argparse
 import json
 from pathlib import Path
 
+import transformers
+
 from nanoinfer import memory, roofline
 from nanoinfer.bench import make_workload
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.engine import StepStats, _count_step
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Request
+from nanoinfer.models import registry
 from nanoinfer.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +48,10 @@ def main() -> None:
     args = parser.parse_args()
 
     hf_config = json.loads(Path(args.model_config).read_text())
+    model_spec = registry.model_spec(
+        transformers.AutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items()
+                                                                      if k != "model_type"})
+    )
     blocks = args.num_kvcache_blocks or 4508 * 2 // memory.dtype_bytes(args.kv_cache_dtype)
     workload = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed,
                              hf_config["vocab_size"])  # fmt: skip
@@ -56,7 +63,7 @@ def main() -> None:
     name, spec = args.gpu, memory.GPU_TABLE[memory.lookup_gpu(args.gpu)[0]]
     flops = spec.fp32_tflops if args.dtype == "float32" else spec.bf16_tflops
     ceilings = roofline.Ceilings(name, spec.bandwidth_gbs * 1e9, flops * 1e12, "datasheet", "datasheet")
-    shape = roofline.ModelShape.from_hf_config(hf_config, args.dtype, args.kv_cache_dtype)
+    shape = roofline.ModelShape.from_spec(model_spec, args.dtype, args.kv_cache_dtype)
     floor = roofline.Roofline(shape, ceilings)
     num_preempted = 0
     while scheduler.has_unfinished:

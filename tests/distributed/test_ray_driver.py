@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("ray")
 
 from nanoinfer import batch  # noqa: E402
-from nanoinfer.distributed import ray_replicas  # noqa: E402
-from nanoinfer.line_runner import FinishedLine  # noqa: E402
+from nanoinfer.jobs import ray_replicas  # noqa: E402
+from nanoinfer.jobs.line_runner import FinishedLine  # noqa: E402
 from nanoinfer.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from nanoinfer.cli import app
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 ray = pytest.importorskip("ray")
-from nanoinfer.distributed import ray_replicas  # noqa: E402  (needs Ray)
+from nanoinfer.jobs import ray_replicas  # noqa: E402  (needs Ray)
 
 runner = CliRunner()
 NUM_PROMPTS = 240
@@ -281,11 +281,11 @@ def test_a_line_that_keeps_killing_replicas_gets_an_error_record_and_the_job_goe
 
 # ---- refused before anything starts ------------------------------------------------------------------------------
 def test_without_ray_more_replicas_exit_2_saying_how_to_install_it(job, tmp_path, monkeypatch):
-    import nanoinfer.distributed
+    import nanoinfer.jobs
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if it were not installed
-    monkeypatch.delitem(sys.modules, "nanoinfer.distributed.ray_replicas")
-    monkeypatch.delattr(nanoinfer.distributed, "ray_replicas")
+    monkeypatch.delitem(sys.modules, "nanoinfer.jobs.ray_replicas")
+    monkeypatch.delattr(nanoinfer.jobs, "ray_replicas")
     out = tmp_path / "out.jsonl"
     result = generate(job, out, "--data-parallel-size", "2")
     assert result.exit_code == 2, result.output

@@ -37,7 +37,7 @@ ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 512, "num_kvcach
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-models")
-    return {family: build_tiny_model(family, root / family) for family in ("qwen3", "llama")}
+    return {family: build_tiny_model(family, root / family) for family in TP_FAMILIES}
 
 
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -78,7 +78,12 @@ def sharded_llms(model_dirs):
         llm.engine.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+# Gemma 2: soft caps and windows on sharded heads; Phi-3: fused checkpoint projections split per rank; OLMo 2: q/k
+# norms over the whole projection, gathered from the ranks.
+TP_FAMILIES = ("qwen3", "llama", "gemma2", "phi3", "olmo2")
+
+
+@pytest.mark.parametrize("family", TP_FAMILIES)
 def test_tp2_matches_tp1_logits_and_greedy_tokens(model_dirs, sharded_llms, family):
     single = LLM(str(model_dirs[family]), **ENGINE)
     sharded = sharded_llms(family)

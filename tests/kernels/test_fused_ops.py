@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
 
-from nanoinfer.model.layers import RMSNorm, RotaryEmbedding
+from nanoinfer.models.layers.norm import RMSNorm
+from nanoinfer.models.layers.rotary import RotaryEmbedding
 from nanoinfer.platforms import Platform
 from nanoinfer.platforms.cuda.kernels import fused_ops
 

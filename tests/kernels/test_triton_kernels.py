@@ -252,3 +252,42 @@ def test_backend_stores_then_attends_like_the_reference(paged_batch, monkeypatch
     assert decode_calls + prefill_calls == [kernel]
     expected = paged_attention_reference(batch.query, expected_k, expected_v, batch.metadata, 0.125)
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+# --- sliding window and soft cap (Mistral, Gemma 2 and 3, OLMo 3) ------------------------------------
+
+
+MASKS = [
+    pytest.param(dict(sliding_window=24), id="window24"),
+    pytest.param(dict(soft_cap=5.0), id="softcap5"),
+    pytest.param(dict(sliding_window=100, soft_cap=20.0), id="window100-softcap20"),
+]
+
+
+def assert_matches_masked_reference(out, batch, mask):
+    scale = batch.query.shape[-1] ** -0.5
+    expected = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale, **mask)
+    # The kernels' tanh is 2 sigmoid(2x) - 1: float32 rounding of the capped scores, a few ulps of the scores.
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[batch.query.dtype])
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("num_splits", [pytest.param(1, id="one-split"), pytest.param(3, id="three-splits")])
+def test_decode_with_window_and_soft_cap_matches_reference(paged_batch, mask, num_splits):
+    batch = paged_batch([(0, 1), (23, 1), (24, 1), (299, 1), (700, 1)], num_heads=4, num_kv_heads=2, head_dim=64,
+                        block_size=256)  # fmt: skip
+    md = batch.metadata
+    out = paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                 md.max_seq_len, 64**-0.5, num_splits=num_splits, **mask)  # fmt: skip
+    assert_matches_masked_reference(out, batch, mask)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_prefill_with_window_and_soft_cap_matches_reference(paged_batch, mask):
+    # Chunks with and without a cached prefix, longer and shorter than the window, crossing a block boundary.
+    batch = paged_batch([(0, 130), (250, 20), (40, 3), (0, 5)], num_heads=4, num_kv_heads=2, head_dim=64,
+                        block_size=256)  # fmt: skip
+    md = batch.metadata
+    out = paged_prefill_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
+                                  md.query_start_loc, md.max_query_len, 64**-0.5, **mask)  # fmt: skip
+    assert_matches_masked_reference(out, batch, mask)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.cli import app
 from nanoinfer.errors import ModelLoadError, NanoInferError
-from nanoinfer.model import gguf as gguf_format
+from nanoinfer.models.weights import gguf as gguf_format
 from nanoinfer.platforms.cpu import linear as cpu_linear
 from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.testing.hf_reference import hf_greedy, hf_model

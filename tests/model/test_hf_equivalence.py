@@ -237,13 +237,13 @@ def test_exact_4bit_weights_give_transformers_tokens(tmp_path, monkeypatch):
 def test_mlp_row_chunks_match_transformers(tiny_model_dirs, references, family, monkeypatch):
     """A long prefill's MLP runs in row chunks on CPU (the platform's mlp_chunk_bytes); at the 64-row floor
     the 2,052-token step of 16 prompts runs in 33 chunks, the last of 4 rows, and must not change a token."""
-    import nanoinfer.model.decoder as decoder
+    from nanoinfer.models.layers.mlp import GatedMLP
     from nanoinfer.platforms.cpu import CpuPlatform
 
     monkeypatch.setattr(CpuPlatform, "mlp_chunk_bytes", 1)
     calls = []
-    original = decoder.MLP._forward
-    monkeypatch.setattr(decoder.MLP, "_forward", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+    original = GatedMLP._forward
+    monkeypatch.setattr(GatedMLP, "_forward", lambda self, x: calls.append(x.shape[0]) or original(self, x))
     prompts, expected, _ = references[family, "mixed"]
     llm = LLM(str(tiny_model_dirs[family]), device="cpu", dtype="float32", max_model_len=512,
               cpu_kvcache_space_gib=0.25)  # fmt: skip

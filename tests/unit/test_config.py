@@ -80,7 +80,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     problem = only_problem(model=str(tmp_path), device="cpu")
     assert problem.field == "model"
     assert "model_type 'gpt2'" in problem.message
-    assert "qwen3, qwen2, llama, mistral" in problem.message
+    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in problem.message
+    assert "Gemma2ForCausalLM" in problem.message and "Phi3ForCausalLM" in problem.message
 
 
 def test_unreadable_config_json_is_a_problem_not_a_crash(tmp_path):
@@ -318,7 +319,7 @@ def test_trust_remote_code_is_off_unless_asked(model_dir, tmp_path, monkeypatch)
 
     from transformers import AutoConfig
 
-    from nanoinfer.model.hf_config import HFConfig
+    from nanoinfer.models.config import HFConfig
 
     calls = []
     original = AutoConfig.from_pretrained

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.model.layers import RMSNorm, RotaryEmbedding
+from nanoinfer.models.layers.norm import RMSNorm
+from nanoinfer.models.layers.rotary import RotaryEmbedding
 from nanoinfer.platforms import Platform
 from nanoinfer.platforms.cpu import CpuKernelPlatform
 from nanoinfer.platforms.cpu.ops import cpu_ops

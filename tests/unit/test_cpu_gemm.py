@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.model.layers import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.model.linear import ColumnParallelLinear, GateUpParallelLinear, RowParallelLinear
+from nanoinfer.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoinfer.models.layers.linear import ColumnParallelLinear, GateUpParallelLinear, RowParallelLinear
 from nanoinfer.platforms.cpu.linear import (
     gated_linear,
     has_native_bfloat16_matmul,
@@ -265,7 +265,7 @@ class _Tiny(nn.Module):
 
     def forward(self, ids):
         h = self.embed(ids)
-        return self.lm_head(self.down(self.up(h)) + self.down(torch.cat([self.gate_up.silu_and_mul(h)] * 2, -1)))
+        return self.lm_head(self.down(self.up(h)) + self.down(torch.cat([self.gate_up.act_and_mul(h)] * 2, -1)))
 
 
 @pytest.mark.parametrize("kind", KINDS)

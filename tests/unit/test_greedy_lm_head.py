@@ -69,7 +69,7 @@ def test_rows_that_are_not_finite_are_left_to_the_full_path():
 def test_a_row_with_more_candidates_than_slots_is_left_to_the_full_path():
     """1,000 equal logits: more columns within the bound than a thread keeps (256) while it runs. On top, the row
     goes to the full path; at the bottom (each thread's first columns then later ones above them), it is exact."""
-    from nanoinfer.model.layers import ParallelLMHead
+    from nanoinfer.models.layers.embedding import ParallelLMHead
 
     gen = torch.Generator().manual_seed(5)
     head = ParallelLMHead(1100, 64)
@@ -88,7 +88,7 @@ def test_a_row_with_more_candidates_than_slots_is_left_to_the_full_path():
 
 
 def test_the_lm_head_module_falls_back_for_those_rows():
-    from nanoinfer.model.layers import ParallelLMHead
+    from nanoinfer.models.layers.embedding import ParallelLMHead
 
     gen = torch.Generator().manual_seed(2)
     head = ParallelLMHead(300, 64)
@@ -168,7 +168,7 @@ def test_bfloat16_ties_go_to_the_first_index_across_pairs_and_threads():
 
 
 def test_bfloat16_rows_with_a_nan_are_left_to_the_full_path():
-    from nanoinfer.model.layers import ParallelLMHead
+    from nanoinfer.models.layers.embedding import ParallelLMHead
 
     gen = torch.Generator().manual_seed(4)
     head = ParallelLMHead(300, 64).bfloat16()
@@ -185,7 +185,7 @@ def test_bfloat16_rows_with_a_nan_are_left_to_the_full_path():
 
 def test_a_bfloat16_model_takes_it_and_generates_what_the_full_logits_give(default_model_dir, monkeypatch):
     from nanoinfer import LLM
-    from nanoinfer.model.layers import ParallelLMHead
+    from nanoinfer.models.layers.embedding import ParallelLMHead
 
     llm = LLM(str(default_model_dir), dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.25, max_num_seqs=8,
               num_speculative_tokens=3)

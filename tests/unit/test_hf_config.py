@@ -1,4 +1,4 @@
-"""config.json read without transformers (nanoinfer.model.hf_config) must agree with AutoConfig on every
+"""config.json read without transformers (nanoinfer.models.config) must agree with AutoConfig on every
 field the engine reads, for each supported family, with fields given and with transformers' defaults."""
 
 import json
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nanoinfer.config import Config
-from nanoinfer.model.decoder import head_dim_of
-from nanoinfer.model.hf_config import HFConfig, load_hf_config, read_config_json
-from nanoinfer.model.layers import _rope_inv_freq
+from nanoinfer.models.config import HFConfig, load_hf_config, read_config_json
+from nanoinfer.models.layers.rotary import _rope_inv_freq, rope_parameters
+from nanoinfer.models.llama import head_dim_of
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = [
@@ -37,8 +37,8 @@ def assert_same_as_transformers(folder):
         assert getattr(ours, name) == getattr(theirs, name), name
     assert head_dim_of(ours) == head_dim_of(theirs)
     assert ours.attention_bias == bool(getattr(theirs, "attention_bias", False))
-    ours_freq, ours_scale = _rope_inv_freq(ours, head_dim_of(ours))
-    theirs_freq, theirs_scale = _rope_inv_freq(theirs, head_dim_of(theirs))
+    ours_freq, ours_scale = _rope_inv_freq(ours, rope_parameters(ours), head_dim_of(ours), None)
+    theirs_freq, theirs_scale = _rope_inv_freq(theirs, rope_parameters(theirs), head_dim_of(theirs), None)
     torch.testing.assert_close(ours_freq, theirs_freq, rtol=0, atol=0)
     assert ours_scale == theirs_scale
 
@@ -49,10 +49,17 @@ def write_config(folder: Path, values: dict) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("fields", [MINIMAL, FULL], ids=["defaults", "given"])
 def test_fields_match_autoconfig(tmp_path, family, fields):
     assert_same_as_transformers(write_config(tmp_path / family, {"model_type": family, **fields}))
+
+
+def test_families_with_options_beyond_the_fast_fields_go_to_autoconfig(tmp_path):
+    """Mistral's sliding_window (transformers' default 4096) is not among the fast fields: AutoConfig reads it."""
+    folder = write_config(tmp_path / "mistral", {"model_type": "mistral", **MINIMAL})
+    assert read_config_json(folder) is None
+    assert load_hf_config(folder).sliding_window == auto_config(folder).sliding_window == 4096
 
 
 @pytest.mark.parametrize("rope", [{"rope_scaling": None, "rope_theta": 1e6},

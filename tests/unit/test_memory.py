@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from factories import spec_of
 
 from nanoinfer import memory
 from nanoinfer.errors import ModelLoadError, NanoInferError, OutOfMemoryError
@@ -62,47 +63,47 @@ def qwen3_h200_plan(**overrides):
 
 
 def test_kv_block_bytes_matches_hand_computation():
-    assert kv_block_bytes(QWEN3_06B, 256, 1, "bfloat16") == 29_360_128
-    assert kv_block_bytes(QWEN3_06B, 256, 1, torch.bfloat16) == 29_360_128
-    assert kv_block_bytes(QWEN3_06B, 256, 1, torch.float32) == 2 * 29_360_128
-    assert kv_block_bytes(QWEN3_06B, 512, 2, "bf16") == 29_360_128  # twice the tokens, half the heads
+    assert kv_block_bytes(spec_of(QWEN3_06B), 256, 1, "bfloat16") == 29_360_128
+    assert kv_block_bytes(spec_of(QWEN3_06B), 256, 1, torch.bfloat16) == 29_360_128
+    assert kv_block_bytes(spec_of(QWEN3_06B), 256, 1, torch.float32) == 2 * 29_360_128
+    assert kv_block_bytes(spec_of(QWEN3_06B), 512, 2, "bf16") == 29_360_128  # twice the tokens, half the heads
 
 
 def test_kv_heads_are_replicated_when_ranks_outnumber_them():
     cfg = dict(QWEN3_06B, num_key_value_heads=2)
     # 8 ranks, 2 KV heads: each rank keeps one (replicated) head, as vLLM does.
-    assert kv_block_bytes(cfg, 256, 8, "bf16") == 2 * 28 * 256 * 1 * 128 * 2
+    assert kv_block_bytes(spec_of(cfg), 256, 8, "bf16") == 2 * 28 * 256 * 1 * 128 * 2
 
 
 def test_tensor_parallel_size_that_does_not_split_heads_is_refused():
     qwen25 = json.loads((CONFIGS / "qwen2.5-7b" / "config.json").read_text())  # 28 heads, 4 KV heads
-    assert memory.valid_tensor_parallel_sizes(qwen25) == [1, 2, 4]
+    assert memory.valid_tensor_parallel_sizes(spec_of(qwen25)) == [1, 2, 4]
     with pytest.raises(
         NanoInferError, match=r"tensor_parallel_size 8 does not split.*Use one of \[1, 2, 4\]"
     ):
-        kv_block_bytes(qwen25, 256, 8, "bf16")
+        kv_block_bytes(spec_of(qwen25), 256, 8, "bf16")
 
 
 def test_head_dim_falls_back_to_hidden_over_heads():
     llama = json.loads((CONFIGS / "llama-3-8b" / "config.json").read_text())  # no head_dim key
-    assert memory.head_dim(llama) == 4096 // 32
-    assert kv_block_bytes(llama, 256, 1, "bf16") == 2 * 32 * 256 * 8 * 128 * 2
+    assert {layer.head_dim for layer in spec_of(llama).layers} == {4096 // 32}
+    assert kv_block_bytes(spec_of(llama), 256, 1, "bf16") == 2 * 32 * 256 * 8 * 128 * 2
 
 
 def test_weights_estimate_from_config_only_folder():
-    assert estimate_weights_bytes(QWEN3_06B, "bfloat16") == QWEN3_WEIGHTS_BF16
+    assert estimate_weights_bytes(spec_of(QWEN3_06B), "bfloat16") == QWEN3_WEIGHTS_BF16
     # The shipped folder has no safetensors, so the checkpoint reader falls back to the same estimate.
-    assert weights_bytes_from_checkpoint(CONFIGS / "qwen3-0.6b", "bfloat16") == QWEN3_WEIGHTS_BF16
-    assert weights_bytes_from_checkpoint(CONFIGS / "qwen3-0.6b", torch.float32) == QWEN3_PARAMS * 4
+    assert weights_bytes_from_checkpoint(CONFIGS / "qwen3-0.6b", "bfloat16", spec_of(QWEN3_06B)) == QWEN3_WEIGHTS_BF16
+    assert weights_bytes_from_checkpoint(CONFIGS / "qwen3-0.6b", torch.float32, spec_of(QWEN3_06B)) == QWEN3_PARAMS * 4
 
 
 def test_weights_estimate_counts_untied_head_and_qwen2_biases():
     llama = json.loads((CONFIGS / "llama-3-8b" / "config.json").read_text())
     layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
-    assert estimate_weights_bytes(llama, "bf16") == 2 * (2 * 128256 * 4096 + 32 * layer + 4096)  # 8.03B
+    assert estimate_weights_bytes(spec_of(llama), "bf16") == 2 * (2 * 128256 * 4096 + 32 * layer + 4096)  # 8.03B
     qwen25 = json.loads((CONFIGS / "qwen2.5-7b" / "config.json").read_text())
     layer = 3584 * (3584 + 2 * 512) + (3584 + 2 * 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
-    assert estimate_weights_bytes(qwen25, "bf16") == 2 * (2 * 152064 * 3584 + 28 * layer + 3584)  # 7.62B
+    assert estimate_weights_bytes(spec_of(qwen25), "bf16") == 2 * (2 * 152064 * 3584 + 28 * layer + 3584)  # 7.62B
 
 
 def write_header_only_safetensors(path: Path, tensors: dict[str, list[int]]) -> None:
@@ -127,10 +128,11 @@ def test_weights_from_safetensors_headers_only(tmp_path):
         {"lm_head.weight": [151936, 1024], "norm.weight": [1024]},
     )
     # Stored as BF16, counted in the target dtype.
-    assert weights_bytes_from_checkpoint(tmp_path, "float32") == (2 * 151936 * 1024 + 1024) * 4
+    untied = spec_of({**QWEN3_06B, "tie_word_embeddings": False})
+    assert weights_bytes_from_checkpoint(tmp_path, "float32", untied) == (2 * 151936 * 1024 + 1024) * 4
     # A tied head shares the embedding: a stored lm_head.weight is not counted twice.
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
-    assert weights_bytes_from_checkpoint(tmp_path, "bfloat16") == (151936 * 1024 + 1024) * 2
+    assert weights_bytes_from_checkpoint(tmp_path, "bfloat16", spec_of(QWEN3_06B)) == (151936 * 1024 + 1024) * 2
 
 
 def test_real_safetensors_file_is_read(tmp_path):
@@ -140,22 +142,22 @@ def test_real_safetensors_file_is_read(tmp_path):
     save_file(
         {"a": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)}, tmp_path / "model.safetensors"
     )
-    assert weights_bytes_from_checkpoint(tmp_path, "bfloat16") == (15 + 7) * 2
+    assert weights_bytes_from_checkpoint(tmp_path, "bfloat16", spec_of(QWEN3_06B)) == (15 + 7) * 2
 
 
 def test_corrupt_safetensors_is_a_model_load_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10**6) + b"{}")
     with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
-        weights_bytes_from_checkpoint(tmp_path, "bfloat16")
+        weights_bytes_from_checkpoint(tmp_path, "bfloat16", spec_of(QWEN3_06B))
 
 
 def test_activation_estimate_matches_hand_computation():
-    assert estimate_activation_bytes(QWEN3_06B, 16384, 512, "bfloat16", 1) == QWEN3_ACTIVATION == 689_438_720
+    assert estimate_activation_bytes(spec_of(QWEN3_06B), 16384, 512, "bfloat16", 1) == QWEN3_ACTIVATION == 689_438_720
     # Few sequences: the MLP temporaries dominate (16384 x 3 x 3072 x 2).
-    assert estimate_activation_bytes(QWEN3_06B, 16384, 1, "bfloat16", 1) == 67_108_864 + 301_989_888
+    assert estimate_activation_bytes(spec_of(QWEN3_06B), 16384, 1, "bfloat16", 1) == 67_108_864 + 301_989_888
     # tp=2 halves the per-rank heads and MLP; hidden states and logits stay whole.
-    assert estimate_activation_bytes(QWEN3_06B, 16384, 1, "bfloat16", 2) == 67_108_864 + 301_989_888 // 2
+    assert estimate_activation_bytes(spec_of(QWEN3_06B), 16384, 1, "bfloat16", 2) == 67_108_864 + 301_989_888 // 2
 
 
 def test_activation_estimate_counts_the_rows_speculation_samples():
@@ -163,9 +165,9 @@ def test_activation_estimate_counts_the_rows_speculation_samples():
     probabilities, 2 x rows x 151,936 x 4 bytes), never more rows than the step's tokens."""
     vocab_row = 2 * QWEN3_06B["vocab_size"] * 4
     resident = 67_108_864
-    assert estimate_activation_bytes(QWEN3_06B, 16384, 512, "bfloat16", 1, 3) == resident + 2048 * vocab_row
-    assert estimate_activation_bytes(QWEN3_06B, 1024, 512, "bfloat16", 1, 3) == (
-        estimate_activation_bytes(QWEN3_06B, 1024, 1024, "bfloat16", 1)  # capped at the step's 1,024 tokens
+    assert estimate_activation_bytes(spec_of(QWEN3_06B), 16384, 512, "bfloat16", 1, 3) == resident + 2048 * vocab_row
+    assert estimate_activation_bytes(spec_of(QWEN3_06B), 1024, 512, "bfloat16", 1, 3) == (
+        estimate_activation_bytes(spec_of(QWEN3_06B), 1024, 1024, "bfloat16", 1)  # capped at the step's 1,024 tokens
     )
 
 

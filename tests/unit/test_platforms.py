@@ -96,7 +96,7 @@ def test_the_fused_decode_loop_names_a_missing_tensor(llama_dir):
 
 def test_plain_platform_ops_are_the_reference_the_layers_bind_to(monkeypatch):
     from nanoinfer import platforms
-    from nanoinfer.model.layers import RMSNorm
+    from nanoinfer.models.layers.norm import RMSNorm
 
     plain = Platform()
     monkeypatch.setattr(platforms, "_current", plain)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from factories import make_request
+from factories import make_request, spec_of
 
 from nanoinfer import memory, roofline
 from nanoinfer.engine.engine import StepStats, _count_step
@@ -48,7 +48,7 @@ def test_a_step_costs_what_the_hand_calculation_says():
     assert (num_prefill, counts) == (9, (3, 22, 47, 2))
     stats = StepStats(num_prefill, 1, 0, 0.002, 0, 0, *counts)
 
-    shape = roofline.ModelShape.from_hf_config(TINY, "bfloat16", "bfloat16")
+    shape = roofline.ModelShape.from_spec(spec_of(TINY), "bfloat16", "bfloat16")
     assert (shape.weights_bytes, shape.kv_bytes_per_token, shape.matmul_params) == (
         TINY_WEIGHTS_BF16, TINY_KV_PER_TOKEN, 2 * TINY_LAYER_MATMUL)
     cost = roofline.stats_cost(shape, stats)
@@ -83,10 +83,10 @@ def test_qwen3_06b_matches_the_issue_estimate():
     """The bench's CUDA model: ~1.2 GB of bfloat16 weights a step (596,049,920 parameters, the tied head read
     as the LM head: tests/unit/test_memory.py's hand count), 114,688 KV bytes a token (57,344 in fp8), and a
     full decode step of 256 sequences at ~850 tokens of context reads ~25 GB of KV: about 5.5 ms at 4.8 TB/s."""
-    shape = roofline.ModelShape.from_hf_config(QWEN3_06B, "bfloat16", "bfloat16")
+    shape = roofline.ModelShape.from_spec(spec_of(QWEN3_06B), "bfloat16", "bfloat16")
     assert shape.weights_bytes == 596_049_920 * 2 == 1_192_099_840
     assert shape.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2 == 114_688
-    assert roofline.ModelShape.from_hf_config(QWEN3_06B, "bfloat16", "fp8_e4m3").kv_bytes_per_token == 57_344
+    assert roofline.ModelShape.from_spec(spec_of(QWEN3_06B), "bfloat16", "fp8_e4m3").kv_bytes_per_token == 57_344
     step = roofline.step_cost(shape, num_tokens=256, num_context_tokens=256 * 850, num_attention_pairs=256 * 850,
                               num_logits_rows=256)  # fmt: skip
     assert step.kv_read_bytes == 256 * 850 * 114_688 == 24_956_108_800
@@ -96,11 +96,11 @@ def test_qwen3_06b_matches_the_issue_estimate():
 
 
 def test_tensor_parallel_ranks_replicate_kv_heads_beyond_their_number():
-    shape = roofline.ModelShape.from_hf_config(QWEN3_06B, "bfloat16", "bfloat16", 2)
+    shape = roofline.ModelShape.from_spec(spec_of(QWEN3_06B), "bfloat16", "bfloat16", 2)
     assert shape.kv_bytes_per_token == 114_688  # 2 ranks of 4 KV heads: the bytes of one rank of 8
     # 1 KV head over 4 ranks: each rank stores (and reads) its own copy, 2 x 28 x 128 x 2 = 14,336 bytes a token.
     config = {**QWEN3_06B, "num_key_value_heads": 1}
-    assert roofline.ModelShape.from_hf_config(config, "bfloat16", "bfloat16", 4).kv_bytes_per_token == 4 * 14_336
+    assert roofline.ModelShape.from_spec(spec_of(config), "bfloat16", "bfloat16", 4).kv_bytes_per_token == 4 * 14_336
 
 
 @pytest.mark.parametrize(("num_seqs", "name"), [(1, "decode 1"), (2, "decode 2"), (3, "decode 3-4"), (4, "decode 3-4"),
@@ -113,7 +113,7 @@ def test_decode_steps_are_classed_by_batch_size_in_powers_of_two(num_seqs, name)
 def test_each_steps_floor_is_the_longer_of_its_two_and_classes_add_up():
     """A memory-bound decode step and a compute-bound prefill: the total floor is the sum of each step's own
     max, not the max of the sums."""
-    shape = roofline.ModelShape.from_hf_config(TINY, "bfloat16", "bfloat16")
+    shape = roofline.ModelShape.from_spec(spec_of(TINY), "bfloat16", "bfloat16")
     ceilings = roofline.Ceilings("test", 1e9, 1e10, "flag", "flag")  # 1 GB/s, 10 GFLOP/s
     floor = roofline.Roofline(shape, ceilings)
     steps = [StepStats(40, 0, 0, 0.01, 0, 0, 1, 40, 820, 1), StepStats(0, 3, 0, 0.001, 0, 0, 3, 30, 30, 3),
@@ -201,11 +201,11 @@ def test_weights_read_are_the_models_parameters_in_their_smallest_stored_form():
     import transformers
 
     from nanoinfer.attention.torch_backend import TorchBackend
-    from nanoinfer.model.decoder import CausalLM
+    from nanoinfer.models import registry
     from nanoinfer.platforms.cpu.linear import PackedWeight
 
     hf_config = transformers.Qwen3Config(**{k: v for k, v in TINY.items() if k != "model_type"})
-    model = CausalLM(hf_config, TorchBackend(), max_position=64).to(torch.bfloat16)
+    model = registry.build_model(hf_config, TorchBackend(), max_position=64).to(torch.bfloat16)
     assert roofline.weights_read_bytes(model) == TINY_WEIGHTS_BF16  # the embedding table is looked up, not read
     # A weight packed with an exact 4-bit form (a GGUF Q4_1 model's, on CPU) is read in that form.
     down = model.model.layers[0].mlp.down_proj

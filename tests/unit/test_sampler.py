@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from nanoinfer.engine.sampler import Sampler
 from nanoinfer.engine.sequence import Request
 from nanoinfer.errors import RequestError
-from nanoinfer.model.sampler import Sampler
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -88,7 +88,7 @@ def test_repetition_penalty_matches_transformers():
 
     logits = torch.randn(1, 10)
     seq = Request("r", [1, 4, 4, 7], SamplingParams(temperature=0, repetition_penalty=1.7)).sequences[0]
-    from nanoinfer.model.sampler import _apply_penalties
+    from nanoinfer.engine.sampler import _apply_penalties
 
     ours = _apply_penalties(logits[0].clone(), seq)
     theirs = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[1, 4, 4, 7]]), logits.clone())[0]
@@ -96,7 +96,7 @@ def test_repetition_penalty_matches_transformers():
 
 
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
-    from nanoinfer.model.sampler import _apply_penalties
+    from nanoinfer.engine.sampler import _apply_penalties
 
     seq = Request("r", [5, 5], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)).sequences[0]
     seq.token_ids += [2, 2, 3]  # generated: token 2 twice, token 3 once

@@ -25,9 +25,12 @@ class AttentionBackend(Protocol):
 
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """Attention output [num_tokens, H_q, D]. `new_kv` holds this step's keys/values (already stored
+        """Attention output [num_tokens, H_q, D]. sliding_window W: a query at position p sees keys p - W + 1..p
+        (transformers' rule); soft_cap c: scores become c * tanh(scores / c) before the softmax (Gemma 2).
+        `new_kv` holds this step's keys/values (already stored
         in the cache); a backend may read them directly instead of the cache where that is faster."""
         ...
 

@@ -42,11 +42,14 @@ def paged_attention_reference(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, H_q, D] over each sequence's cached context.
 
-    Query token j of a sequence with query_len q and seq_len s sits at position s - q + j and attends
-    to positions 0..s - q + j. Grouped-query attention: query head h reads KV head h // (H_q // H_kv).
+    Query token j of a sequence with query_len q and seq_len s sits at position p = s - q + j and attends
+    to positions 0..p, or with a sliding window W to p - W + 1..p. A soft cap c maps each score x (after the
+    scale) to c * tanh(x / c). Grouped-query attention: query head h reads KV head h // (H_q // H_kv).
     """
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -64,9 +67,14 @@ def paged_attention_reference(
         k = k.float().repeat_interleave(group, dim=1)  # [s, H_q, D]
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H_q, q_len, s]
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

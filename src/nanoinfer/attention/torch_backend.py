@@ -101,34 +101,36 @@ class TorchBackend:
             self._plan = (metadata, _StepPlan.build(metadata, device))
         return self._plan[1]
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, new_kv=None):
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, new_kv=None,
+                sliding_window: int | None = None, soft_cap: float | None = None):
         plan = self.step_plan(metadata, query.device)
+        mask = AttentionMask(scale, sliding_window, soft_cap)
         out = torch.empty_like(query)
         if plan.decode_ids:
-            self._decode(query, k_cache, v_cache, plan, scale, out)
-        if not plan.prefill_ids or self._prefill_all(query, k_cache, v_cache, metadata, plan, scale, out):
+            self._decode(query, k_cache, v_cache, plan, mask, out)
+        if not plan.prefill_ids or self._prefill_all(query, k_cache, v_cache, metadata, plan, mask, out):
             return out
         for i in plan.prefill_ids:
             self._prefill_one(
-                query, k_cache, v_cache, metadata, scale, i, plan.starts, plan.query_lens[i], plan.seq_lens[i], new_kv,
+                query, k_cache, v_cache, metadata, mask, i, plan.starts, plan.query_lens[i], plan.seq_lens[i], new_kv,
                 out,
             )
         return out
 
-    def _prefill_all(self, query, k_cache, v_cache, metadata, plan: _StepPlan, scale, out) -> bool:
+    def _prefill_all(self, query, k_cache, v_cache, metadata, plan: _StepPlan, mask: AttentionMask, out) -> bool:
         """Attend every prompt chunk of the step at once into `out`, where a kernel can; False: one at a time."""
         return False
 
-    def _decode(self, query, k_cache, v_cache, plan: _StepPlan, scale, out):
+    def _decode(self, query, k_cache, v_cache, plan: _StepPlan, mask: AttentionMask, out):
         rows = plan.decode_rows
         q = query if rows is None else query[rows]  # [B, H_q, D]
-        o = self._decode_attention(q, k_cache, v_cache, plan, scale)
+        o = self._decode_attention(q, k_cache, v_cache, plan, mask)
         if rows is None:
             out.copy_(o)
         else:
             out[rows] = o
 
-    def _decode_attention(self, q, k_cache, v_cache, plan: _StepPlan, scale) -> torch.Tensor:
+    def _decode_attention(self, q, k_cache, v_cache, plan: _StepPlan, mask: AttentionMask) -> torch.Tensor:
         """The decode sequences' attention [B, H_q, D] for their queries q [B, H_q, D]."""
         block_size = k_cache.shape[1]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -143,16 +145,21 @@ class TorchBackend:
         k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)  # [B, L, H_kv, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(q.dtype)
         q = q.view(batch, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, H_kv, G, L]
-        if min(lens) < max_len:
+        scores = mask.cap(torch.matmul(q, k.permute(0, 2, 3, 1)) * mask.scale)  # [B, H_kv, G, L]
+        window = mask.sliding_window
+        if min(lens) < max_len or (window is not None and max_len > window):
             lens_t = torch.tensor(lens, device=q.device)
-            pad = torch.arange(max_len, device=q.device).unsqueeze(0) >= lens_t.unsqueeze(1)  # [B, L]
+            key_pos = torch.arange(max_len, device=q.device).unsqueeze(0)
+            pad = key_pos >= lens_t.unsqueeze(1)  # [B, L]
+            if window is not None:
+                pad |= key_pos < lens_t.unsqueeze(1) - window  # behind the window: never read
             scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
             v = v.masked_fill(pad[:, :, None, None], 0)  # padded slots may be unwritten (NaN * 0 = NaN)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         return torch.matmul(probs, v.permute(0, 2, 1, 3)).reshape(batch, -1, head_dim)  # [B, H_q, D]
 
-    def _prefill_one(self, query, k_cache, v_cache, metadata, scale, i, starts, q_len, seq_len, new_kv, out):
+    def _prefill_one(self, query, k_cache, v_cache, metadata, mask: AttentionMask, i, starts, q_len, seq_len, new_kv,
+                     out):
         start, end = starts[i], starts[i] + q_len
         q = query[start:end].transpose(0, 1)  # [H_q, q_len, D]
         if new_kv is not None and seq_len == q_len:
@@ -173,14 +180,46 @@ class TorchBackend:
         # 4-D [1, H, L, D]: on CPU only 4-D inputs reach torch's flash kernel; 3-D ones take the math path,
         # which builds the causal mask and the full score matrix (3-5x slower at 256-1024 tokens).
         q, k, v = q.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if seq_len == q_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if mask.soft_cap is not None:
+            o = _capped_attention(q, k, v, mask, seq_len)  # SDPA has no soft cap
+        elif seq_len == q_len and mask.sliding_window is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=mask.scale, enable_gqa=True)
         else:
-            # Bottom-right aligned causal mask: query j sits at position seq_len - q_len + j.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-            mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.visible(q_len, seq_len, query.device),
+                                               scale=mask.scale, enable_gqa=True)  # fmt: skip
         out[start:end] = o[0].transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """What a layer's attention sees and how it weighs it: the score scale, the sliding window (None: every
+    earlier position) and the soft cap on scores (None: none)."""
+
+    scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    def cap(self, scores: torch.Tensor) -> torch.Tensor:
+        """c * tanh(scores / c), in transformers' order (after the scale, before the mask)."""
+        return scores if self.soft_cap is None else torch.tanh(scores / self.soft_cap) * self.soft_cap
+
+    def visible(self, q_len: int, seq_len: int, device) -> torch.Tensor:
+        """[q_len, seq_len] bool: may query j (at position seq_len - q_len + j) read key position k?"""
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+        visible = k_pos <= q_pos  # bottom-right aligned causal mask
+        if self.sliding_window is not None:
+            visible &= k_pos > q_pos - self.sliding_window
+        return visible
+
+
+def _capped_attention(q, k, v, mask: AttentionMask, seq_len: int) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager attention computes it: [1, H_q, q_len, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = mask.cap(torch.matmul(q, k.transpose(-1, -2)) * mask.scale)
+    scores = scores.masked_fill(~mask.visible(q.shape[2], seq_len, q.device), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

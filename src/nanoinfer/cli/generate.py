@@ -24,7 +24,7 @@ from nanoinfer import batch
 from nanoinfer.cli import app, err_console, user_errors
 from nanoinfer.cli.engine_options import EngineOptions, engine_options
 from nanoinfer.errors import BatchFileError, NanoInferError, OutputWriteError, ReplicaError, RequestError
-from nanoinfer.line_runner import FinishedLine, LineRunner
+from nanoinfer.jobs.line_runner import FinishedLine, LineRunner
 from nanoinfer.progress import JobProgress
 
 logger = logging.getLogger("nanoinfer")
@@ -272,7 +272,7 @@ def _ray_replicas(data_parallel_size: int, ray_address: str | None):
     if data_parallel_size == 1 and ray_address is None:
         return None
     try:
-        from nanoinfer.distributed import ray_replicas
+        from nanoinfer.jobs import ray_replicas
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] != "ray":
             raise

@@ -79,6 +79,7 @@ def _settings(engine: EngineOptions) -> dict:
 
     model_dir = resolve_model(values["model"])
     hf_config = _load_hf_config(model_dir)
+    spec = _model_spec(hf_config, model_dir)
     notes = []
     if values["dtype"] == "auto":
         values["dtype"] = "bfloat16"
@@ -94,21 +95,39 @@ def _settings(engine: EngineOptions) -> dict:
             f"max_model_len clamped from {values['max_model_len']} to max_position_embeddings {max_pos}"
         )
         values["max_model_len"] = max_pos
-    _check(values, hf_config)
-    return {**values, "model_dir": model_dir, "hf_config": hf_config, "max_position_embeddings": max_pos,
+    _check(values, spec)
+    return {**values, "model_dir": model_dir, "hf_config": hf_config, "spec": spec, "max_position_embeddings": max_pos,
             "notes": notes}  # fmt: skip
 
 
 def _load_hf_config(model_dir: Path):
-    from nanoinfer.model.hf_config import load_hf_config
+    from nanoinfer.models import registry
+    from nanoinfer.models.config import load_hf_config
 
     try:
-        return load_hf_config(model_dir)
+        hf_config = load_hf_config(model_dir)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot read the model config in {model_dir}: {e}") from None
+    return registry.text_config(hf_config)[0]  # a vision-language checkpoint plans as its text part
 
 
-def _check(values: dict, hf_config) -> None:
+def _model_spec(hf_config, model_dir: Path):
+    """The model family's ModelSpec (the registry's), or the error Config would give for this folder."""
+    from nanoinfer.models import registry
+
+    if registry.architecture_of(hf_config) is None:
+        raise ModelLoadError(
+            f"{model_dir}: its architecture ({registry.describe_unsupported(hf_config)}) is not supported. nanoinfer "
+            f"runs {', '.join(registry.supported_architectures())}."
+        )
+    try:
+        return registry.model_spec(hf_config)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{model_dir}: its config.json does not describe a model nanoinfer can build "
+                             f"({type(e).__name__}: {e}).") from None
+
+
+def _check(values: dict, spec) -> None:
     problems = []
 
     def need(field, ok, rule):
@@ -118,8 +137,8 @@ def _check(values: dict, hf_config) -> None:
     tp = values["tensor_parallel_size"]
     if not 1 <= tp <= 8:
         need("tensor_parallel_size", False, "must be an integer from 1 to 8.")
-    elif not memory.is_valid_tensor_parallel_size(hf_config, tp):
-        sizes = memory.valid_tensor_parallel_sizes(hf_config, range(1, 9))
+    elif not spec.check_tensor_parallel(tp):
+        sizes = memory.valid_tensor_parallel_sizes(spec, range(1, 9))
         need(
             "tensor_parallel_size", False, f"does not split this model's attention heads; use one of {sizes}."
         )
@@ -172,13 +191,13 @@ def _device_memory(gpu: str | None, gpu_memory: str | None) -> dict:
 
 def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks: int) -> dict:
     """One planner run for tensor_parallel_size tp; `plan` is None and `error` says why when nothing fits."""
-    hf_config, dtype = s["hf_config"], s["dtype"]
+    spec, dtype = s["spec"], s["dtype"]
     inputs = {
         "weights_bytes": math.ceil(weights_total / tp),  # every weight is sharded except tiny norms
         "activation_bytes": memory.estimate_activation_bytes(
-            hf_config, s["max_num_batched_tokens"], s["max_num_seqs"], dtype, tp, s["num_speculative_tokens"]
+            spec, s["max_num_batched_tokens"], s["max_num_seqs"], dtype, tp, s["num_speculative_tokens"]
         ),
-        "block_bytes": memory.kv_block_bytes(hf_config, s["kvcache_block_size"], tp, s["kv_cache_dtype"]),
+        "block_bytes": memory.kv_block_bytes(spec, s["kvcache_block_size"], tp, s["kv_cache_dtype"]),
     }
     try:
         plan = memory.plan_kv_cache(
@@ -194,7 +213,7 @@ def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks
 def build_report(s: dict, device: dict) -> dict:
     """Everything plan-memory shows, JSON-ready."""
     tp, max_model_len = s["tensor_parallel_size"], s["max_model_len"]
-    weights_total = memory.weights_bytes_from_checkpoint(s["model_dir"], s["dtype"], s["hf_config"])
+    weights_total = memory.weights_bytes_from_checkpoint(s["model_dir"], s["dtype"], s["spec"])
     run = _plan(s, device, weights_total, tp, s["num_kvcache_blocks"])
     plan = run["plan"]
     budget = memory.kv_budget_bytes(
@@ -204,7 +223,7 @@ def build_report(s: dict, device: dict) -> dict:
     )  # fmt: skip
     fits = plan is not None and plan.fits_one_sequence
     smallest_tp = next(
-        (size for size in memory.valid_tensor_parallel_sizes(s["hf_config"])
+        (size for size in memory.valid_tensor_parallel_sizes(s["spec"])
          if (p := _plan(s, device, weights_total, size, -1)["plan"]) is not None and p.fits_one_sequence),
         None,
     )  # fmt: skip

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from nanoinfer import memory
 from nanoinfer.config import Config
-from nanoinfer.distributed import make_executor
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import kv_cache_dtype_of
 from nanoinfer.engine.ngram_proposer import NgramProposer
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Request, Sequence
+from nanoinfer.engine.tp_executor import make_executor
 from nanoinfer.platforms import select_platform_for
 
 logger = logging.getLogger("nanoinfer")
@@ -42,7 +42,7 @@ class LLMEngine:
         self.platform = select_platform_for(config)
         self.platform.setup_process(config)
         block_bytes = memory.kv_block_bytes(
-            config.hf_config, config.kvcache_block_size, config.tensor_parallel_size, kv_cache_dtype_of(config)
+            config.model_spec, config.kvcache_block_size, config.tensor_parallel_size, kv_cache_dtype_of(config)
         )
         self.model_runner, self.plan = self.platform.build_runner(config, block_bytes, make_executor)
         logger.info(self.plan.summary_line())

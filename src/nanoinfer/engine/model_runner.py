@@ -13,11 +13,11 @@ import torch
 
 from nanoinfer import memory
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.engine.sampler import Sampler
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.model.decoder import CausalLM, head_dim_of
-from nanoinfer.model.loader import load_weights
-from nanoinfer.model.sampler import Sampler
+from nanoinfer.models import registry
+from nanoinfer.models.weights.loader import load_weights
 from nanoinfer.platforms import current_platform
 
 # Config's dtype and kv_cache_dtype names (config.DTYPES, config.KV_CACHE_DTYPES, resolved) -> torch dtypes.
@@ -58,14 +58,15 @@ class ModelRunner:
         self.platform = current_platform()
         self.backend = self.platform.attention_backend(config.attention_backend)
         with torch.device("cpu"):
-            model = CausalLM(hf_config, self.backend, max_position=max(config.max_model_len, 1))
+            model = registry.build_model(hf_config, self.backend, max_position=max(config.max_model_len, 1))
         load_weights(model, config.model, hf_config)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.model.layers[0].self_attn.rotary.to_device(self.device)  # shared by all layers
+        for rotary in self.model.rotary_embeddings():
+            rotary.to_device(self.device)
         self.num_packed_weights = self.platform.prepare_model(self.model)
         self.sampler = Sampler(config.seed)
-        attn = self.model.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, head_dim_of(hf_config)
+        # Each layer's cache shape (this rank's KV heads, its head size): layers may differ.
+        self.kv_head_shapes = [(a.num_kv_heads, a.head_dim) for a in self.model.attention_layers()]
         self.graph_runner = None  # a CUDAGraphRunner once captured
         self.allocate_kv_cache(num_blocks)
 
@@ -96,11 +97,9 @@ class ModelRunner:
         self.graph_runner = None  # captured graphs point at the old cache
         self.decode_runner = None
         self.kv_cache = self.kv_caches = None  # drop the old cache before allocating the new one
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shapes = [(num_blocks, self.block_size, *heads) for heads in self.kv_head_shapes]
         self.num_blocks = num_blocks
-        self.kv_cache = self.platform.allocate_kv_cache(
-            self.config.hf_config.num_hidden_layers, shape, self.kv_cache_dtype, self.device
-        )
+        self.kv_cache = self.platform.allocate_kv_cache(shapes, self.kv_cache_dtype, self.device)
         self.kv_caches = self.kv_cache.layers
         self.decode_runner = self.platform.decode_runner(self.model, self.kv_caches, self.backend)
 

@@ -11,6 +11,8 @@ yet, a CPU engine runs on the plain-torch platform of interface.py.
 
 from __future__ import annotations
 
+import contextlib
+
 from nanoinfer.platforms.interface import Platform
 
 _current: Platform | None = None
@@ -43,4 +45,16 @@ def current_platform() -> Platform:
     return _current
 
 
-__all__ = ["Platform", "current_platform", "select_platform", "select_platform_for"]
+@contextlib.contextmanager
+def plain_platform():
+    """Build modules under the plain-torch platform (e.g. on the meta device, to read a model's shape), whatever
+    the process's platform is; it is restored afterwards."""
+    global _current
+    previous, _current = _current, Platform()
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+__all__ = ["Platform", "current_platform", "plain_platform", "select_platform", "select_platform_for"]

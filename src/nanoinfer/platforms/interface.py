@@ -60,6 +60,11 @@ class Platform:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """GeGLU: gelu(gate, tanh approximation) * up, as transformers' gelu_pytorch_tanh."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rotary_embedding(self, positions, q, k, cos: torch.Tensor, sin: torch.Tensor):
         """q [T, H, D], k [T, H_kv, D] -> rotated (a platform's version may rotate them in place)."""
         cos = cos[positions].unsqueeze(1).to(q.dtype)
@@ -95,10 +100,11 @@ class Platform:
 
         return TorchBackend()
 
-    def allocate_kv_cache(self, num_layers: int, shape, dtype: torch.dtype, device: torch.device) -> KVCache:
+    def allocate_kv_cache(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> KVCache:
+        """One (key, value) pair a layer, of that layer's shape [num_blocks, block_size, H_kv, D]."""
         return KVCache([(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype,
                                                                                      device=device))
-                        for _ in range(num_layers)])  # fmt: skip
+                        for shape in shapes])  # fmt: skip
 
     def decode_runner(self, model: nn.Module, kv_caches, backend):
         """An object whose run(input_ids, positions, metadata) does a pure-decode step's forward pass faster
@@ -110,7 +116,8 @@ class Platform:
 
 
 class KVCache:
-    """The paged KV cache: one (key, value) pair a layer, each [num_blocks, block_size, H_kv, D]. Every backend
+    """The paged KV cache: one (key, value) pair a layer, each [num_blocks, block_size, H_kv, D] (H_kv and D may
+differ between layers, e.g. Gemma 4's global layers). Every backend
     reads only slots it wrote first."""
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):

@@ -65,3 +65,24 @@ def check_logprobs_close(ours: list[tuple[list[int], list[set[int]]]], theirs: l
             num_diverged += 1
             break
     return num_diverged
+
+
+def hf_greedy_logprobs(model_dir, prompts: list[list[int]], num_tokens: int,
+                       dtype: torch.dtype = torch.float32) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
+    """transformers' greedy decode (as hf_greedy) with the log-probability of each chosen token."""
+    model = hf_model(model_dir, dtype)
+    tokens, logprobs = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model(torch.tensor([prompt]), use_cache=True)
+            generated, chosen = [], []
+            for step in range(num_tokens):
+                logits = out.logits[0, -1].float()
+                token = int(logits.argmax())
+                generated.append(token)
+                chosen.append(float(torch.log_softmax(logits, dim=-1)[token]))
+                if step + 1 < num_tokens:
+                    out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(generated)
+            logprobs.append(chosen)
+    return tokens, logprobs

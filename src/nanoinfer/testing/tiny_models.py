@@ -20,9 +20,6 @@ shared prompt. Tensor parallelism splits the weights of each layer across device
 def main(): print("hello world") # code, json {"key": [1, 2, 3]} and punctuation !?;:'"()[]{}<>
 """ * 4
 
-_FAMILIES = ("qwen3", "qwen2", "llama")
-
-
 def build_tokenizer(vocab_size: int = 512):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -46,8 +43,9 @@ def build_tokenizer(vocab_size: int = 512):
 def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidden_size: int = 64,
                      num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
                      max_position_embeddings: int = 2048, tie_word_embeddings: bool | None = None,
-                     seed: int = 0) -> Path:
-    """Save a random-weight model of `family` (qwen3 | qwen2 | llama) to `path` and return it.
+                     seed: int = 0, **options) -> Path:
+    """Save a random-weight model of `family` (a key of TINY_FAMILIES) to `path` and return it. `options` are
+    config fields that replace the family's own test options (e.g. sliding_window).
 
     Weights are drawn with a larger std than HF's default so that logits are spread out: near-ties
     between the top two tokens would make greedy comparisons depend on float rounding.
@@ -55,37 +53,111 @@ def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidd
     import torch
     import transformers
 
-    if family not in _FAMILIES:
-        raise ValueError(f"family must be one of {_FAMILIES}")
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(TINY_FAMILIES)}")
     path = Path(path)
     tokenizer = build_tokenizer()
-    vocab_size = len(tokenizer)
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+        head_dim=head_dim, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         initializer_range=0.1,
     )
-    if family == "qwen3":
-        config = transformers.Qwen3Config(head_dim=head_dim, tie_word_embeddings=bool(tie_word_embeddings), **common)
-        cls = transformers.Qwen3ForCausalLM
-    elif family == "qwen2":
-        tied = True if tie_word_embeddings is None else tie_word_embeddings
-        config = transformers.Qwen2Config(tie_word_embeddings=tied, **common)
-        cls = transformers.Qwen2ForCausalLM
+    config_class, model_class, family_options, tied_by_default = TINY_FAMILIES[family]
+    tied = tied_by_default if tie_word_embeddings is None else tie_word_embeddings
+    family_values = family_options(num_layers)
+    if "text_config" in family_values:  # a vision-language checkpoint (Gemma 3): the decoder is its text_config
+        text = {**common, **family_values["text_config"], **options, "tie_word_embeddings": tied}
+        values = {**family_values, "text_config": text, "tie_word_embeddings": tied}
     else:
-        config = transformers.LlamaConfig(head_dim=head_dim, tie_word_embeddings=bool(tie_word_embeddings),
-                                          rope_theta=100000.0, **common)
-        cls = transformers.LlamaForCausalLM
+        values = {**common, **family_values, **options, "tie_word_embeddings": tied}
+    config = getattr(transformers, config_class)(**values)
     torch.manual_seed(seed)
-    model = cls(config).to(torch.float32).eval()
+    model = getattr(transformers, model_class)(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.1)
+                # Gemma's norms scale by 1 + w: centre theirs on 0 so every family's scale is about 1.
+                param.normal_(0.0 if config_class.startswith("Gemma") else 1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _no_options(num_layers: int) -> dict:
+    return {}
+
+
+# family -> (transformers config class, model class, the options its published checkpoints set, in a form a test's
+# prompts exercise (a window shorter than the prompts, soft caps on, ...), tied embeddings by default)
+TINY_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _no_options, False),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _no_options, True),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", lambda n: dict(rope_theta=100000.0), False),
+    "mistral": ("MistralConfig", "MistralForCausalLM", lambda n: dict(sliding_window=24), False),
+    # Gemma 1: MQA (gemma-2b) and a head_dim other than hidden_size / heads (gemma-7b)
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", lambda n: dict(num_key_value_heads=1, head_dim=32), True),
+    # soft caps of 1.5 (attention) and 3 (final) bite on the tiny model's scores (up to ~3) and logits (~2.6 max)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               lambda n: dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                              final_logit_softcapping=3.0),
+               True),  # fmt: skip
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", lambda n: _gemma3_options(n), True),
+    # a vision-language checkpoint (language_model.model.* beside a one-layer SigLIP tower), run for its text part
+    "gemma3_multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration",
+                          lambda n: dict(text_config=_gemma3_options(n), mm_tokens_per_image=1,
+                                         vision_config=dict(model_type="siglip_vision_model", hidden_size=16,
+                                                            intermediate_size=32, num_hidden_layers=1,
+                                                            num_attention_heads=2, image_size=28, patch_size=14)),
+                          True),  # fmt: skip
+    # Phi-3.5 / Phi-4-mini: longrope switching at 620, the longest test prompt (tests/model/test_families.py), so
+    # that every prompt fits the short factors and the shared-prefix prompts decode across the switch
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", lambda n: _phi3_options(rotary_dim=16, sliding_window=40), False),
+    "phi4_mini": ("Phi3Config", "Phi3ForCausalLM",
+                  lambda n: dict(_phi3_options(rotary_dim=12, sliding_window=262144), partial_rotary_factor=0.75),
+                  True),  # fmt: skip
+    # a NoPE layer (no_rope_layers 0) every other layer, there with a window
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                lambda n: dict(no_rope_layers=[int(i % 2 == 0) for i in range(n)], use_sliding_window=True,
+                               sliding_window=32),
+                True),  # fmt: skip
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _no_options, False),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", lambda n: _olmo3_options(n), False),
+}
+
+
+def _gemma3_options(num_layers: int) -> dict:
+    """Sliding layers with a global one every 6th and last (5 : 1 published), the local rope base on sliding layers
+    and linear scaling on the global ones (gemma-3-4b and up). Both soft caps are set although published configs
+    leave them None: transformers applies Gemma3ForCausalLM's final one and never the attention one, and so must we."""
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 or i == num_layers - 1 else "sliding_attention"
+                   for i in range(num_layers)]  # fmt: skip
+    rope = {
+        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+        "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+    }
+    return dict(layer_types=layer_types, sliding_window=24, query_pre_attn_scalar=24, rope_parameters=rope,
+                attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
+
+
+def _phi3_options(rotary_dim: int, sliding_window: int) -> dict:
+    """longrope with distinct short and long factors (one per rotated pair), head_dim 16."""
+    pairs = rotary_dim // 2
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(pairs)],
+                long_factor=[1.5 + 0.5 * i for i in range(pairs)])  # fmt: skip
+    # original_max_position_embeddings is a Phi3Config field: a value inside rope_parameters is overwritten by it
+    return dict(rope_parameters=rope, original_max_position_embeddings=620, sliding_window=sliding_window)
+
+
+def _olmo3_options(num_layers: int) -> dict:
+    """Sliding layers with one full-attention layer every other layer (every 4th published), YaRN on the full
+    ones only (as the long-context checkpoints)."""
+    layer_types = ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)]
+    rope = {
+        "sliding_attention": dict(rope_type="default", rope_theta=500000.0),
+        "full_attention": dict(rope_type="yarn", rope_theta=500000.0, factor=8.0, original_max_position_embeddings=256),
+    }
+    return dict(layer_types=layer_types, sliding_window=32, rope_parameters=rope)

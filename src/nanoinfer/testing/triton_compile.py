@@ -99,22 +99,23 @@ def _cases() -> dict[str, Callable[[], None]]:
         store_kvcache,
     )
 
-    def attention(dtype, cache_dtype, head_dim=128, group=2, variants=False):
+    def attention(dtype, cache_dtype, head_dim=128, group=2, variants=False, mask=None):
         def run():
             num_kv, block = 2, 256
             q = torch.zeros(3, num_kv * group, head_dim, dtype=dtype)
             cache = torch.zeros(8, block, num_kv, head_dim, dtype=cache_dtype)
             tables = torch.zeros(3, 4, dtype=torch.int32)
             lens = torch.tensor([1, 300, 900], dtype=torch.int32)
-            paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=1)
-            paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=4)
+            masked = mask or {}
+            paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=1, **masked)
+            paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=4, **masked)
             if variants:  # the decode variants benchmarks/tools/decode_variants.py measures on a GPU
                 for tile_n, warps, stages in ((32, 2, 2), (128, 8, 3), (256, 8, 2)):
                     paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=1, tile_n=tile_n,
                                            num_warps=warps, num_stages=stages)  # fmt: skip
                 paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=4, split_by_seq_len=True)
             starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-            paged_prefill_attention(q, cache, cache, tables, lens, starts, 1, 0.1)
+            paged_prefill_attention(q, cache, cache, tables, lens, starts, 1, 0.1, **masked)
             key = torch.zeros(3, num_kv, head_dim, dtype=dtype)
             store_kvcache(key, key, cache, cache, torch.tensor([0, -1, 5]))
 
@@ -145,6 +146,9 @@ def _cases() -> dict[str, Callable[[], None]]:
         "attention fp32": attention(torch.float32, torch.float32),
         "attention fp32 over a bf16 cache": attention(torch.float32, torch.bfloat16),
         "attention bf16 over an fp32 cache": attention(torch.bfloat16, torch.float32),
+        "attention bf16, sliding window and soft cap": attention(torch.bfloat16, torch.bfloat16,
+                                                                 mask=dict(sliding_window=512, soft_cap=50.0)),
+        "attention bf16, sliding window": attention(torch.bfloat16, torch.bfloat16, mask=dict(sliding_window=512)),
         "small ops bf16": small_ops(torch.bfloat16),
         "small ops fp16": small_ops(torch.float16),
     }

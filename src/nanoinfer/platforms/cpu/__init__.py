@@ -51,8 +51,8 @@ class CpuPlatform(Platform):
         memory.check_fits(plan, config.max_model_len)
         return make_runner(config, plan.num_blocks), plan
 
-    def allocate_kv_cache(self, num_layers: int, shape, dtype: torch.dtype, device: torch.device) -> LazyKVCache:
-        return LazyKVCache(num_layers, shape, dtype)
+    def allocate_kv_cache(self, shapes, dtype: torch.dtype, device: torch.device) -> LazyKVCache:
+        return LazyKVCache(shapes, dtype)
 
 
 class CpuKernelPlatform(CpuPlatform):

@@ -7,8 +7,10 @@ kernels in the same order, so its output is bit for bit the per-layer path's.
 
 It applies only where the per-layer path would call exactly those kernels: float32 with weights packed for our
 panel GEMM or bfloat16 with weights packed for the AMX GEMM (the MLP's gated in both), one process (no tensor
-parallelism), Llama / Qwen2-shaped layers (no Qwen3 q/k norms, no o_proj or down_proj bias), the CPU attention
-backend, and a pure-decode step. Everything else takes the model's own forward, unchanged.
+parallelism), a model that says its layers are Llama-shaped (`fused_decode_shape`) and whose every layer keeps to
+what the loop runs (rotary over the whole head, no q/k norms, window or soft cap, no o_proj or down_proj bias,
+SiLU), the CPU attention backend, and a pure-decode step. Everything else takes the model's own forward, unchanged:
+a layer shape this file does not know is never read here.
 """
 
 from __future__ import annotations
@@ -69,8 +71,12 @@ class FusedDecode:
     @staticmethod
     def applies(model, kv_caches, backend) -> bool:
         """Would the per-layer path run exactly csrc/decode_layers.cpp's kernels for this model's decode steps?"""
+        if getattr(model, "fused_decode_shape", None) != "llama":
+            return False  # only Llama-shaped layers have the attributes read below
         decoder = model.model
         if len(kv_caches) != len(decoder.layers) or not decoder.layers or not isinstance(backend, CpuAttentionBackend):
+            return False
+        if getattr(decoder, "embed_scale", None) is not None or getattr(model.lm_head, "soft_cap", None) is not None:
             return False
         weight = decoder.norm.weight
         if weight.device.type != "cpu" or weight.dtype not in _LINEAR_KINDS:
@@ -83,6 +89,8 @@ class FusedDecode:
             if any(p is None for p in packed) or [p.kind for p in packed] != expected_kinds:
                 return False
             if a.qk_norm or a.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
+                return False
+            if a.rotary is None or a.rotary.partial or a.sliding_window is not None or a.soft_cap is not None:
                 return False
             # The layers' own shard count, not get_tp_size(): rank 0 builds its shard under tensor parallelism
             # and then runs it with the process-wide setting back at 1 (a sharded layer all-reduces).

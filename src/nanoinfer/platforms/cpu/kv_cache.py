@@ -16,11 +16,11 @@ from nanoinfer.platforms.interface import KVCache
 
 
 class LazyKVCache(KVCache):
-    def __init__(self, num_layers: int, shape, dtype: torch.dtype):
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype):
         super().__init__([(on_ordinary_pages(shape, dtype), on_ordinary_pages(shape, dtype))
-                          for _ in range(num_layers)])  # fmt: skip
-        self.committed = torch.zeros(shape[0], dtype=torch.bool)  # which blocks' memory the OS has committed
-        self.block_size = shape[1]
+                          for shape in shapes])  # fmt: skip
+        self.committed = torch.zeros(shapes[0][0], dtype=torch.bool)  # which blocks' memory the OS has committed
+        self.block_size = shapes[0][1]
 
     def before_step(self, slot_mapping: torch.Tensor) -> None:
         self.commit_new_blocks(slot_mapping)

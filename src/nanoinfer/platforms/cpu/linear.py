@@ -257,10 +257,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
 
 
 def _uses_linear_method(module: nn.Module) -> bool:
-    from nanoinfer.model.layers import ParallelLMHead
-    from nanoinfer.model.linear import ColumnParallelLinear, RowParallelLinear
-
-    return isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
+    return getattr(module, "uses_linear_method", False)  # the model's linears and LM head say so themselves
 
 
 def has_greedy_kernel(lm_head: nn.Module) -> bool:

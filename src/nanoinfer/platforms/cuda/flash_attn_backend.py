@@ -33,18 +33,22 @@ class FlashAttnBackend:
 
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         if k_cache.shape[1] % 256 or query.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"flash-attn needs float16/bfloat16 and a block size that is a multiple of 256, got "
                 f"{query.dtype} and {k_cache.shape[1]}; Config should have rejected this"
             )
+        # flash-attn's window counts the keys left of the query besides itself; its softcap 0 means none.
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        mask = dict(window_size=window, softcap=soft_cap or 0.0)
         if metadata.max_query_len == 1:
             out = self._with_kvcache(
                 query.unsqueeze(1), k_cache, v_cache,  # [num_seqs, 1, H_q, D]
                 cache_seqlens=metadata.seq_lens, block_table=metadata.block_tables,
-                softmax_scale=scale, causal=True,
+                softmax_scale=scale, causal=True, **mask,
             )
             return out.squeeze(1)
         if new_kv is not None and _has_no_cached_prefix(metadata):
@@ -53,7 +57,7 @@ class FlashAttnBackend:
                 query, new_kv[0], new_kv[1],
                 cu_seqlens_q=metadata.query_start_loc, cu_seqlens_k=metadata.query_start_loc,
                 max_seqlen_q=metadata.max_query_len, max_seqlen_k=metadata.max_query_len,
-                softmax_scale=scale, causal=True,
+                softmax_scale=scale, causal=True, **mask,
             )
         # flash-attn aligns the causal mask bottom-right: query j of q_len sees keys 0..seq_len - q_len + j.
         cu_seqlens_k = F.pad(torch.cumsum(metadata.seq_lens, dim=0, dtype=torch.int32), (1, 0))
@@ -61,7 +65,7 @@ class FlashAttnBackend:
             query, k_cache, v_cache,
             cu_seqlens_q=metadata.query_start_loc, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=metadata.max_query_len, max_seqlen_k=metadata.max_seq_len,
-            softmax_scale=scale, causal=True, block_table=metadata.block_tables,
+            softmax_scale=scale, causal=True, block_table=metadata.block_tables, **mask,
         )
 
 

@@ -23,14 +23,16 @@ class TritonBackend:
 
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-        scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         # new_kv (this step's keys/values) is unused: store_kvcache already put them in the cache.
+        mask = dict(sliding_window=sliding_window, soft_cap=soft_cap)
         if metadata.max_query_len == 1:
             return paged_decode_attention(
-                query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale
+                query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale, **mask
             )
         return paged_prefill_attention(
             query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-            metadata.max_query_len, scale,
+            metadata.max_query_len, scale, **mask,
         )

@@ -2,7 +2,7 @@
 #include "simd.h"
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                    torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens, double scale,
                    torch::Tensor out);
@@ -32,7 +32,8 @@ torch::Tensor greedy_lm_head(const torch::Tensor& hidden, const torch::Tensor& a
                              const torch::Tensor& weight_norms, const torch::Tensor& panels, int64_t V);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over the block tables");
+  m.def("paged_decode", &paged_decode,
+        "paged decode attention over the block tables, of each row's last `window` keys (0: all of them)");
   m.def("zeros_on_huge_pages", &zeros_on_huge_pages,
         "a zero-filled tensor on 2 MiB pages where Linux grants them, committed as it is written");
   m.def("paged_prefill", &paged_prefill,

@@ -746,7 +746,8 @@ inline void for_run_heads(int h0, int h1, int R, int G, F&& f) {
 // model over a bfloat16 cache, which halves the bytes this kernel reads.
 template <typename TQ, typename TC>
 static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables, const int* lens, TQ* out,
-                        int B, int Hq, int Hkv, int D, int bs, int max_blocks, float scale, int64_t q_stride) {
+                        int B, int Hq, int Hkv, int D, int bs, int max_blocks, float scale, int64_t q_stride,
+                        int window) {
   const int G = Hq / Hkv;
 #ifdef NANOINFER_AVX2
   const bool vector = D % 8 == 0 && D <= 256;  // attend_avx2 widens a key slice into a 256-float buffer
@@ -780,7 +781,8 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   std::vector<int> run_starts{0};
   for (int b = 1; b < B; ++b) {
     const int* prev = tables + (size_t)(b - 1) * max_blocks;
-    const bool same = lens[b] == lens[b - 1] + 1 &&
+    // With a sliding window each row reads its own last `window` keys: rows stay apart.
+    const bool same = window == 0 && lens[b] == lens[b - 1] + 1 &&
                       std::equal(prev, prev + max_blocks, tables + (size_t)b * max_blocks);
     if (!same) run_starts.push_back(b);
   }
@@ -832,12 +834,16 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
           if (++off == bs) off = 0, ++blk;
         }
         for (int b = b_first; b <= b_last; ++b) {
-          const int len = lens[b];
+          // A sliding window reads the last `window` keys only: the same rows from a later start (the softmax
+          // does not depend on where its keys begin).
+          const int first = window > 0 ? std::max(0, lens[b] - window) : 0;
+          const int len = lens[b] - first;
+          const size_t* row0 = rows.data() + first;
 #ifdef NANOINFER_AMX
           if (amx) {
             if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>) {
               if (b == b_last || G > 8) {  // a lone row, or one row already fills half the tile's columns
-                attend_amx(q + (size_t)b * q_stride, k, v, rows.data(), len, G, D, Hkv, h0, h1, scale, acc.data(),
+                attend_amx(q + (size_t)b * q_stride, k, v, row0, len, G, D, Hkv, h0, h1, scale, acc.data(),
                            out + (size_t)b * Hq * D);
               } else {
                 // R rows of the run at once, as one row with R * G query heads a KV head (attend_amx); the
@@ -896,15 +902,15 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
               const at::BFloat16* qb = nullptr;
               if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>)
                 if (D % 32 == 0) qb = q + (size_t)b * q_stride;
-              attend_avx512(qf.data(), k, v, rows.data(), len, G, D, h0, h1, scores.data(), acc.data(), qb, scale);
+              attend_avx512(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data(), qb, scale);
             } else
 #endif
 #ifdef NANOINFER_AVX2
             if (vector)
-              attend_avx2(qf.data(), k, v, rows.data(), len, G, D, Hkv, h0, h1, scores.data(), acc.data());
+              attend_avx2(qf.data(), k, v, row0, len, G, D, Hkv, h0, h1, scores.data(), acc.data());
             else
 #endif
-              attend_scalar(qf.data(), k, v, rows.data(), len, G, D, h0, h1, scores.data(), acc.data());
+              attend_scalar(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data());
           }
           for (int qh = h0 * G; qh < h1 * G; ++qh)
             for (int d = 0; d < D; ++d) out[((size_t)b * Hq + qh) * D + d] = static_cast<TQ>(acc[qh * D + d]);
@@ -921,7 +927,7 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
 // q [B, Hq, D]: each token's heads contiguous, any stride between tokens (a view of the fused qkv output
 // is read in place: copying it out took ~20 us a layer in decode, 0.15-0.2 s of W). out: contiguous.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_decode: q [tokens, heads, D] with each token's heads contiguous");
   const int B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -938,7 +944,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     with_typed<true>(k_cache, "paged_decode cache", [&](auto* kp) {
       using TC = std::remove_pointer_t<decltype(kp)>;
       decode_impl(qp, kp, static_cast<TC*>(v_cache.data_ptr()), tp, lp, out.data_ptr<TQ>(), B, Hq, Hkv, D, bs, mb,
-                  (float)scale, q.stride(0));
+                  (float)scale, q.stride(0), (int)window);
     });
   });
   return out;

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 _LOG2_E = 1.4426950408889634
+_LOG2_E_JIT = tl.constexpr(_LOG2_E)  # the same constants, readable inside kernels
+_LN_2 = tl.constexpr(0.6931471805599453)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CACHE_DTYPES = _DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)  # fp8: kv_cache_dtype fp8_e4m3 / fp8_e5m2
 _TILE_N = 64  # keys per inner tile; must divide the block size, so a tile never crosses a block
@@ -38,8 +40,10 @@ def _attend_kv_range(
     kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
     kv_start, kv_end,  # key positions [kv_start, kv_end); kv_start is a multiple of TILE_N
     block_size, qk_scale,  # qk_scale = softmax scale * log2(e)
+    window, soft_cap,  # sliding window (keys with q_pos - pos < window) and score soft cap; used when HAS_* are set
     HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MIXED: tl.constexpr,  # the cache's dtype differs from the query's (kv_cache_dtype)
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -59,8 +63,14 @@ def _attend_kv_range(
         if MIXED:  # e.g. a float32 model over a bfloat16 cache: widen the keys, compute in the query's dtype
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N]
+        if HAS_CAP:  # cap * tanh(score / cap), on the scaled score (transformers' order), then to base 2
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (qk_scale * _LN_2)
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0) * _LOG2_E_JIT
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N]
         visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite (-1e30), so fully masked rows stay finite
         alpha = tl.exp2(m_i - m_new)
@@ -91,10 +101,11 @@ def _paged_decode_kernel(
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_split_seq, stride_split_head, stride_split_idx,  # split_out [seqs, H_q, splits, D]; lse drops D
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
-    num_queries_per_kv, block_size, partition_size, qk_scale,
+    num_queries_per_kv, block_size, partition_size, qk_scale, window, soft_cap,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, TILE_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr,
     SPLIT_BY_SEQ_LEN: tl.constexpr,  # partitions from this sequence's length, not the longest one's
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,6 +119,8 @@ def _paged_decode_kernel(
         if kv_start >= seq_len:  # the merge only reads splits that hold keys
             return
     kv_end = tl.minimum(kv_start + partition_size, seq_len)
+    if HAS_WINDOW:  # start at the tile holding the window's first key (the mask hides the rest of that tile)
+        kv_start = tl.maximum(kv_start, (tl.maximum(seq_len - window, 0) // TILE_N) * TILE_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -124,7 +137,7 @@ def _paged_decode_kernel(
     acc, m_i, l_i = _attend_kv_range(
         q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table_seq,
         kv_head, stride_cache_block, stride_cache_token, stride_cache_head, kv_start, kv_end, block_size, qk_scale,
-        HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION, MIXED,
+        window, soft_cap, HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION, MIXED, HAS_WINDOW, HAS_CAP,
     )
     # l_i is 0 only for an empty context (a padded batch slot): write zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -177,9 +190,9 @@ def _paged_prefill_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
-    num_queries_per_kv, tokens_per_tile, block_size, qk_scale,
+    num_queries_per_kv, tokens_per_tile, block_size, qk_scale, window, soft_cap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -206,10 +219,13 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kv_start = 0
+    if HAS_WINDOW:  # the tile's first query sees nothing before its window
+        kv_start = (tl.maximum(num_cached + tile_first - window + 1, 0) // TILE_N) * TILE_N
     acc, m_i, l_i = _attend_kv_range(
         q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table_seq,
-        kv_head, stride_cache_block, stride_cache_token, stride_cache_head, 0, num_cached + tile_last + 1,
-        block_size, qk_scale, HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION, MIXED,
+        kv_head, stride_cache_block, stride_cache_token, stride_cache_head, kv_start, num_cached + tile_last + 1,
+        block_size, qk_scale, window, soft_cap, HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION, MIXED, HAS_WINDOW, HAS_CAP,
     )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offs = (q_begin + token).to(tl.int64)[:, None] * stride_out_token + head[:, None] * stride_out_head
@@ -230,6 +246,8 @@ def paged_decode_attention(
     split_by_seq_len: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [num_seqs, H_q, D], over its seq_len cached keys.
 
@@ -277,10 +295,11 @@ def paged_decode_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         num_heads * num_splits * head_dim, num_splits * head_dim, head_dim,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        group, block_size, partition_size, scale * _LOG2_E,
+        group, block_size, partition_size, scale * _LOG2_E, sliding_window or 0, soft_cap or 0.0,
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), TILE_N=tile_n,
         IS_SPLIT=is_split, UPCAST=_needs_upcast(query, k_cache), DOT_PRECISION=_dot_precision(query),
-        MIXED=query.dtype != k_cache.dtype, SPLIT_BY_SEQ_LEN=by_seq_len, **launch,
+        MIXED=query.dtype != k_cache.dtype, SPLIT_BY_SEQ_LEN=by_seq_len, HAS_WINDOW=sliding_window is not None,
+        HAS_CAP=soft_cap is not None, **launch,
     )
     if is_split:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -301,6 +320,8 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     block_m: int = 64,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, H_q, D] (sequences back to back, split by query_start_loc)
     over each sequence's cached prefix plus its new tokens, all read from the paged cache.
@@ -332,9 +353,10 @@ def paged_prefill_attention(
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        group, tokens_per_tile, block_size, scale * _LOG2_E,
+        group, tokens_per_tile, block_size, scale * _LOG2_E, sliding_window or 0, soft_cap or 0.0,
         HEAD_DIM=head_dim, BLOCK_M=block_m, TILE_N=_tile_size(block_size), UPCAST=_needs_upcast(query, k_cache),
         DOT_PRECISION=_dot_precision(query), MIXED=query.dtype != k_cache.dtype,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
     )
     return out
 

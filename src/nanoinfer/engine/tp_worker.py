@@ -24,7 +24,7 @@ import torch.distributed as dist
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.distributed import set_tensor_parallel
 from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.platforms import select_platform_for
+from nanoinfer.platforms import select_platform
 
 PARENT_POLL_S = 0.5
 
@@ -40,6 +40,9 @@ class WorkerArgs:
     timeout_s: float  # collective timeout
     num_threads: int  # torch intra-op threads (CPU)
     parent_pid: int
+    # Rank 0's choice of the CPU kernels ("wait": use them, "off": plain torch), so that every rank runs the same
+    # platform: with cpu_kernels auto, each rank deciding on its own could see a background build half done.
+    cpu_kernels: str = "off"
 
 
 # ---- messages -------------------------------------------------------------------------------------------
@@ -109,7 +112,7 @@ def _build_runner(args: WorkerArgs) -> ModelRunner:
     config = args.config
     if args.backend == "nccl":
         torch.cuda.set_device(args.rank)
-    select_platform_for(config).setup_process(config, num_threads=args.num_threads)
+    select_platform(config.device, config.dtype, args.cpu_kernels).setup_process(config, num_threads=args.num_threads)
     store = dist.TCPStore("127.0.0.1", args.store_port, args.tp_size, is_master=False,
                           timeout=timedelta(seconds=args.timeout_s))
     dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.tp_size,

@@ -26,10 +26,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoinfer.distributed import set_tensor_parallel
-from nanoinfer.distributed.worker import WorkerArgs, forward_shard, pack_step, recv, send, worker_main
 from nanoinfer.engine.model_runner import ModelRunner, group_by_sequence
 from nanoinfer.engine.scheduler import SchedulerOutput
+from nanoinfer.engine.tp_worker import WorkerArgs, forward_shard, pack_step, recv, send, worker_main
 from nanoinfer.errors import NanoInferError
+from nanoinfer.platforms import current_platform
 
 # A dead worker breaks the next collective at once (its sockets close); the timeout only catches a hung one.
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -182,9 +183,11 @@ class TensorParallelExecutor:
     # ---- internals ------------------------------------------------------------------------------------
     def _start_workers(self, config, num_blocks: int, backend: str, port: int, num_threads: int) -> None:
         ctx = mp.get_context("spawn")
+        # The platform this process chose (LLMEngine, before starting us) decides for every rank.
+        cpu_kernels = "wait" if current_platform().name == "cpu" else "off"
         for rank in range(1, self.tp_size):
             args = WorkerArgs(rank, self.tp_size, config, num_blocks, backend, port, COLLECTIVE_TIMEOUT_S,
-                              num_threads, parent_pid=os.getpid())
+                              num_threads, parent_pid=os.getpid(), cpu_kernels=cpu_kernels)
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(target=worker_main, args=(args, child_conn), name=f"nanoinfer-tp{rank}",
                                   daemon=True)
@@ -361,3 +364,11 @@ def _close_at_exit(ref: weakref.ref) -> None:
     if executor is not None:
         executor.close()
 
+
+
+def make_executor(config, num_blocks: int):
+    """What runs the model for an engine: a ModelRunner in this process, or with tensor_parallel_size > 1 the
+    executor that runs rank 0 here and the other ranks in worker processes (the same surface, close() included)."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelExecutor(config, num_blocks)
+    return ModelRunner(config, num_blocks)

@@ -19,9 +19,8 @@ import numpy as np
 import torch
 
 from nanoinfer.errors import ModelLoadError
+from nanoinfer.models import registry
 
-ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 # What the gguf package dequantizes and nanoinfer was tested with; the K-quants are what Q4_K_M files hold.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 BLOCK_TYPES = ("Q4_0", "Q4_1")  # read as blocks by the CPU float32 4-bit GEMM; all others are dequantized
@@ -41,8 +40,35 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+_SHARD = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's gguf-split names
+
+
 def gguf_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.gguf") if p.is_file())
+
+
+def model_file(folder: Path, files: list[Path]) -> Path:
+    """The one model among a folder's GGUF files: a single file, or the first shard of one split model."""
+    if len(files) == 1:
+        return files[0]
+    firsts = [p for p in files if (m := _SHARD.fullmatch(p.name)) and m.group(2) == "00001"]
+    if len(firsts) == 1 and all(p in shards(firsts[0]) for p in files):
+        return firsts[0]
+    raise ModelLoadError(f"{folder} holds several GGUF models ({', '.join(p.name for p in files)}); keep one model "
+                         "per folder (a split model's *-0000i-of-0000N.gguf shards count as one).")
+
+
+def shards(path: Path) -> list[Path]:
+    """Every file of the model `path` starts: itself, or all N shards of a split model (each must exist)."""
+    m = _SHARD.fullmatch(path.name)
+    if m is None:
+        return [path]
+    count = int(m.group(3))
+    paths = [path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ModelLoadError(f"{path} is shard 1 of {count}, but {', '.join(missing)} are missing beside it.")
+    return paths
 
 
 def open_gguf(path: Path):
@@ -61,9 +87,9 @@ def field(reader, key: str):
 
 def architecture(reader, path: Path) -> str:
     arch = field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
+    if registry.gguf_architecture(arch) is None:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; nanoinfer runs "
-                             f"{', '.join(ARCHITECTURES)} GGUF files.")
+                             f"{', '.join(registry.supported_gguf_architectures())} GGUF files.")
     return arch
 
 
@@ -71,7 +97,8 @@ def architecture(reader, path: Path) -> str:
 def hf_config(reader, path: Path) -> dict:
     """config.json for the GGUF's model, from its metadata (llama.cpp's keys)."""
     arch = architecture(reader, path)
-    model_type, class_name = ARCHITECTURES[arch]
+    class_name = registry.gguf_architecture(arch)
+    model_type = registry.model_type_of(class_name)
 
     def meta(key, default=None):
         value = field(reader, f"{arch}.{key}")
@@ -99,7 +126,6 @@ def hf_config(reader, path: Path) -> dict:
         "rms_norm_eps": float(np.float32(meta("attention.layer_norm_rms_epsilon"))),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
         "rope_scaling": None,
-        "attention_bias": arch == "qwen2",
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
@@ -206,12 +232,13 @@ def _set_numpy_huge_pages(enabled: bool) -> bool:
 def _load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> None:
     from gguf import dequantize
 
-    from nanoinfer.model.loader import WeightLoading
+    from nanoinfer.models.weights.loading import WeightLoading
 
-    reader = open_gguf(gguf_path)
-    arch = architecture(reader, gguf_path)
+    architecture(open_gguf(gguf_path), gguf_path)
     loading = WeightLoading(model)
-    for tensor in reader.tensors:
+    unpermute_qk = getattr(model, "gguf_unpermute_qk", False)
+    tensors = [t for shard in shards(gguf_path) for t in open_gguf(shard).tensors]
+    for tensor in tensors:
         kind = tensor.tensor_type.name
         if kind not in TENSOR_TYPES:
             raise ModelLoadError(f"{gguf_path}: tensor {tensor.name} is of type {kind}, which nanoinfer does not "
@@ -223,7 +250,7 @@ def _load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> No
         target, shard_id = found
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         heads = None
-        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        if unpermute_qk and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = hf_config.num_attention_heads if "attn_q" in tensor.name else hf_config.num_key_value_heads
             values = unpermute_rotary(values, heads)
         weight = torch.from_numpy(np.require(values, requirements=["C", "W"]))  # an F32 tensor is a read-only map

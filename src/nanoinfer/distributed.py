@@ -2,7 +2,7 @@
 
 Layers read rank and size when they are built and decide themselves whether to communicate, so a
 single-process model and a sharded one can live in the same process. The collectives run over the default
-process group (set up by distributed/executor.py and worker.py).
+process group (set up by engine/tp_executor.py and engine/tp_worker.py).
 """
 
 from __future__ import annotations
@@ -41,15 +41,3 @@ def all_gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
     shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(shards, tensor.contiguous())
     return torch.cat(shards, dim=-1)
-
-
-def make_executor(config, num_blocks: int):
-    """What runs the model for an engine: a ModelRunner in this process, or with tensor_parallel_size > 1 the
-    executor that runs rank 0 here and the other ranks in worker processes (the same surface, close() included)."""
-    if config.tensor_parallel_size > 1:
-        from nanoinfer.distributed.executor import TensorParallelExecutor
-
-        return TensorParallelExecutor(config, num_blocks)
-    from nanoinfer.engine.model_runner import ModelRunner
-
-    return ModelRunner(config, num_blocks)

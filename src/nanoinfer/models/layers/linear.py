@@ -22,6 +22,8 @@ def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by rows (output features) across ranks; no communication."""
 
+    uses_linear_method = True  # the platform's linear method multiplies (and may pack) this layer's weight
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -42,18 +44,30 @@ class ColumnParallelLinear(nn.Module):
 
 
 class GateUpParallelLinear(ColumnParallelLinear):
-    """The MLP's fused gate/up projection (shard ids 0 and 1), with the activation that follows it: call
-    `silu_and_mul(x)`. A linear method may fuse the activation into its GEMM, so that the [rows, 2 x intermediate]
-    projection is never written out and read back (the CPU one does: platforms/cpu/linear.py)."""
+    """The MLP's fused gate/up projection (shard ids 0 and 1), with the gated activation that follows it: call
+    `act_and_mul(x)`. A linear method may fuse SiLU-and-mul into its GEMM, so that the [rows, 2 x intermediate]
+    projection is never written out and read back (the CPU one does: platforms/cpu/linear.py).
 
-    fused_activation = "silu_and_mul"  # what a linear method may fuse into this layer's GEMM
+    hidden_act: transformers' name of the gate's activation: "silu" (Llama, Qwen, Phi-3, OLMo) or
+    "gelu_pytorch_tanh" (Gemma's GeGLU)."""
 
-    def __init__(self, input_size: int, intermediate_size: int):
+    def __init__(self, input_size: int, intermediate_size: int, hidden_act: str = "silu"):
         super().__init__(input_size, [intermediate_size, intermediate_size], bias=False)
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {hidden_act!r}")
+        self.activation = GATED_ACTIVATIONS[hidden_act]
+        # what a linear method may fuse into this layer's GEMM
+        self.fused_activation = "silu_and_mul" if self.activation == "silu" else None
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(x Wg^T) * (x Wu^T), [..., intermediate / tp]."""
-        return self.platform.silu_and_mul_linear(self, x)
+    def act_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """act(x Wg^T) * (x Wu^T), [..., intermediate / tp]."""
+        if self.activation == "silu":
+            return self.platform.silu_and_mul_linear(self, x)
+        return self.platform.gelu_tanh_and_mul(self.platform.linear(self, x, None))
+
+
+# transformers' activation names -> the gated activation nanoinfer runs for them
+GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -68,6 +82,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by columns (input features); partial sums are all-reduced."""
+
+    uses_linear_method = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()

@@ -15,12 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
-
 # transformers' defaults (its config classes' constructors) for the fields a config.json may leave out.
 _DEFAULTS = {
     "llama": dict(vocab_size=32000, max_position_embeddings=2048, num_key_value_heads=None, head_dim=None),
-    "mistral": dict(vocab_size=32000, max_position_embeddings=131072, num_key_value_heads=8, head_dim=None),
     "qwen2": dict(vocab_size=151936, max_position_embeddings=32768, num_key_value_heads=32, head_dim=None),
     "qwen3": dict(vocab_size=151936, max_position_embeddings=32768, num_key_value_heads=32, head_dim=128),
 }
@@ -46,6 +43,7 @@ class HFConfig:
     attention_bias: bool
     hidden_act: str
     rope_parameters: dict = field(default_factory=dict)
+    architectures: tuple[str, ...] = ()
 
 
 def load_hf_config(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
@@ -96,6 +94,7 @@ def read_config_json(model_dir: str | Path) -> HFConfig | None:
             attention_bias=bool(raw.get("attention_bias", False)),
             hidden_act=str(raw.get("hidden_act", "silu")),
             rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            architectures=tuple(raw.get("architectures") or ()),
             **values,
         )
     except (TypeError, ValueError):

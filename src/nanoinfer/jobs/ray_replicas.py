@@ -22,9 +22,9 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
 from nanoinfer import batch
-from nanoinfer.distributed.dispatch import Dispatcher
 from nanoinfer.errors import NanoInferError, ReplicaError
-from nanoinfer.line_runner import FinishedLine, LineRunner, error_line
+from nanoinfer.jobs.dispatch import Dispatcher
+from nanoinfer.jobs.line_runner import FinishedLine, LineRunner, error_line
 
 logger = logging.getLogger("nanoinfer")
 

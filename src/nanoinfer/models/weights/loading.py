@@ -1,46 +1,14 @@
-"""safetensors (or GGUF) checkpoint -> model parameters. Names every missing and unexpected weight in its error.
-
-Only safetensors and GGUF files are read: pickle checkpoints (*.bin) can run code on load and are refused.
-"""
+"""One checkpoint into a model, whatever its format: names -> parameters through the layers' weight loaders, then a
+check that names every missing and unexpected weight."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from nanoinfer.errors import ModelLoadError
-
-
-def load_weights(model: nn.Module, model_dir: str | Path, hf_config=None) -> None:
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        from nanoinfer.model import gguf
-
-        ggufs = gguf.gguf_files(model_dir)
-        if len(ggufs) == 1:
-            return gguf.load_gguf_weights(model, ggufs[0], hf_config)
-        if len(ggufs) > 1:
-            raise ModelLoadError(f"{model_dir} holds several GGUF files ({', '.join(p.name for p in ggufs)}); "
-                                 "keep one model per folder (split GGUF files are not supported yet).")
-        has_bin = any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt"))
-        hint = (
-            " It has pickle weights (*.bin), which nanoinfer does not load because unpickling can run code;"
-            " convert them with `transformers` (model.save_pretrained(dir, safe_serialization=True))."
-            if has_bin else ""
-        )
-        raise ModelLoadError(f"no *.safetensors weights in {model_dir}.{hint}")
-    loading = WeightLoading(model)
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target = loading.target(name)
-                if target is not None:
-                    loading.copy(name, *target, f.get_tensor(name))
-    loading.finish(model_dir)
 
 
 class WeightLoading:
@@ -54,6 +22,16 @@ class WeightLoading:
         self.tied = getattr(model, "tie_word_embeddings", False)
         self.loaded: set[str] = set()
         self.unexpected: list[str] = []
+
+    def load(self, name: str, tensor_fn) -> None:
+        """Checkpoint tensor `name` (read by tensor_fn(), only if the model keeps it) through the family's
+        name mapping (CausalLM.sanitize) into its parameters."""
+        sanitize = getattr(self.model, "sanitize", None)
+        pairs = sanitize(name, tensor_fn) if sanitize is not None else [(name, tensor_fn)]
+        for new_name, fn in pairs:
+            found = self.target(new_name)
+            if found is not None:
+                self.copy(new_name, *found, fn())
 
     def target(self, name: str) -> tuple[str, object] | None:
         """(parameter, shard id) the checkpoint tensor `name` fills, or None when it is not loaded (read it only

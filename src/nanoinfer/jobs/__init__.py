@@ -1,0 +1,1 @@
+"""Jobs: the line runner (JSONL lines through an engine), Ray replicas and their dispatcher, the Ray Data predictor."""

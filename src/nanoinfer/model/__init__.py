@@ -1,1 +1,0 @@
-"""Decoder-only architectures (Qwen3, Qwen2, Llama) built from shared layers, and their weight loader."""

@@ -1,0 +1,48 @@
+"""RMSNorm as transformers computes it: normalised in float32, rounded to the model's dtype, then scaled.
+
+GemmaRMSNorm scales by (1 + weight) in float32 before rounding (Gemma's, OLMo's are the plain one): its loader
+stores 1 + weight, so in float32 it is the plain op (and the platform's kernel) on the stored weight, exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoinfer.platforms import current_platform
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.platform = current_platform()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x) or, with a residual, (norm(x + residual), x + residual): the fused pre-norm step. The
+        platform's op may overwrite both inputs: the decoder layer owns them and reads neither afterwards."""
+        return self.platform.rms_norm(x, self.weight, self.eps, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w), all in float32, rounded once (Gemma 1-4). The parameter holds 1 + w."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self._load_plus_one
+
+    @staticmethod
+    def _load_plus_one(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.float() + 1.0)  # in float32, as transformers adds it
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dtype == torch.float32:
+            return self.platform.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:  # half precision: scale in float32 before rounding, as transformers does
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * self.weight.float()).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,98 @@
+"""Which family class runs a checkpoint: HF `architectures` (config.json), falling back to `model_type`, and GGUF
+`general.architecture`; each family module is imported only when asked for.
+
+Adding a family: one file in models/, one line in _MODELS (and _GGUF where llama.cpp writes it), see
+docs/adding-a-model.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# HF architecture -> (module in nanoinfer.models, class, HF model_type)
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM", "llama"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM", "mistral"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM", "qwen2"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM", "gemma"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM", "gemma2"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration", "gemma3"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", "phi3"),
+    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM", "smollm3"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM", "olmo2"),
+    "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM", "olmo3"),
+}
+# GGUF general.architecture -> HF architecture
+_GGUF = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    # gemma GGUF entries
+    # phi3 / olmo2 GGUF entries
+}
+
+
+def supported_architectures() -> list[str]:
+    return list(_MODELS)
+
+
+def supported_gguf_architectures() -> list[str]:
+    return list(_GGUF)
+
+
+def architecture_of(hf_config) -> str | None:
+    """The registry's architecture for a config: its first listed architecture we run, else its model_type's."""
+    for name in getattr(hf_config, "architectures", None) or []:
+        if name in _MODELS:
+            return name
+    model_type = getattr(hf_config, "model_type", None)
+    return next((name for name, entry in _MODELS.items() if entry[2] == model_type), None)
+
+
+def describe_unsupported(hf_config) -> str:
+    """What a config names that nanoinfer does not run, for an error message."""
+    names = getattr(hf_config, "architectures", None) or []
+    model_type = getattr(hf_config, "model_type", None)
+    return f"architectures {names}, model_type {model_type!r}" if names else f"model_type {model_type!r}"
+
+
+def text_config(hf_config):
+    """(the config nanoinfer runs, a note or None): a vision-language checkpoint's text part (its family's
+    `text_config`, which says what it left out), else the config itself."""
+    architecture = architecture_of(hf_config)
+    split = getattr(model_class(architecture), "text_config", None) if architecture else None
+    return split(hf_config) if split is not None else (hf_config, None)
+
+
+def model_class(architecture: str) -> type:
+    module, cls, _ = _MODELS[architecture]
+    return getattr(importlib.import_module(f"nanoinfer.models.{module}"), cls)
+
+
+def gguf_architecture(general_architecture: str) -> str | None:
+    """The HF architecture that runs a GGUF file's general.architecture, or None."""
+    return _GGUF.get(general_architecture)
+
+
+def model_type_of(architecture: str) -> str:
+    return _MODELS[architecture][2]
+
+
+def build_model(hf_config, backend, max_position: int):
+    """The family's model for a config (its architecture must be supported: Config checks it)."""
+    return model_class(architecture_of(hf_config))(hf_config, backend, max_position)
+
+
+def model_spec(hf_config):
+    """The ModelSpec of a config's model: built on the meta device (no memory, no weights) with one rank and the
+    plain-torch platform, and read off its layers."""
+    import torch
+
+    from nanoinfer.platforms import plain_platform
+
+    architecture = architecture_of(hf_config)
+    with plain_platform(), torch.device("meta"):
+        model = model_class(architecture)(hf_config, None, max_position=1)
+    return model.describe(architecture)

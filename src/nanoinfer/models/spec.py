@@ -1,0 +1,66 @@
+"""ModelSpec: what the engine, memory planning, plan-memory and the roofline read of a model, from the model's own
+family (models/<family>.py, `spec(hf_config)`): the attention shape of every layer and the parameter counts.
+No torch, no transformers: memory.py and roofline.py read it without building a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """One layer's attention as the KV cache and the roofline see it (all ranks together)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None  # keys at most this many positions back (None: the whole context)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str  # the registry's name for the family class, e.g. "Gemma2ForCausalLM"
+    hidden_size: int
+    vocab_size: int
+    layers: tuple[AttentionLayerSpec, ...]
+    intermediate_size: int  # the widest MLP's (activation estimates)
+    embedding_params: int  # the input embedding table(s)
+    layer_params: int  # every decoder layer together: projections, biases, norms
+    matmul_params: int  # of those, the weights of the matrix multiplies (2 FLOPs each per token)
+    final_norm_params: int
+    lm_head_params: int  # 0 when tied to the embedding (no memory of its own)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return self.embedding_params + self.layer_params + self.final_norm_params + self.lm_head_params
+
+    def kv_elements_per_token(self, tensor_parallel_size: int = 1) -> int:
+        """K and V elements one token takes in one rank's cache, every layer. With more ranks than KV heads each
+        rank holds one replicated head (as vLLM)."""
+        tp = tensor_parallel_size
+        return sum(2 * max(1, layer.num_kv_heads // tp) * layer.head_dim for layer in self.layers)
+
+    def kv_groups(self) -> list[tuple[str, int, int]]:
+        """(description, number of layers, K and V elements a token per layer) by attention kind, for plan-memory."""
+        groups: dict[tuple, int] = {}
+        for layer in self.layers:
+            key = (layer.sliding_window, layer.num_kv_heads, layer.head_dim)
+            groups[key] = groups.get(key, 0) + 1
+        out = []
+        for (window, kv_heads, head_dim), count in groups.items():
+            kind = "global" if window is None else f"sliding window {window}"
+            out.append((f"{kind}, {kv_heads} KV heads x {head_dim}", count, 2 * kv_heads * head_dim))
+        return out
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> bool:
+        """Heads must split evenly over ranks; KV heads must split evenly or be replicated evenly, in every layer."""
+        tp = tensor_parallel_size
+        return tp >= 1 and all(
+            layer.num_heads % tp == 0 and (layer.num_kv_heads % tp == 0 or tp % layer.num_kv_heads == 0)
+            for layer in self.layers
+        )

@@ -1,0 +1,1 @@
+"""Weight formats (safetensors, GGUF) into a model, through its layers' weight loaders (loading.WeightLoading)."""
