@@ -233,3 +233,19 @@ def test_missing_model_folder_is_a_usage_error(tmp_path):
     result = plan_memory("--model", str(tmp_path / "nope"), "--gpu", "H200")
     assert result.exit_code == 2
     assert "model" in result.output
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo3"])
+def test_kv_bytes_per_token_are_reported_per_kind_of_layer(tmp_path, family):
+    """Sliding-window and global layers (Gemma 2, OLMo 3 alternate them) are listed apart, and their per-layer
+    bytes add up to the plan's KV bytes per token."""
+    from nanoinfer.testing.tiny_models import build_tiny_model
+
+    folder = build_tiny_model(family, tmp_path / family, num_layers=4)
+    _, report = plan_json("--model", str(folder), "--gpu", "H100", "--dtype", "bfloat16")
+    groups = {g["attention"]: g for g in report["kv_layer_groups"]}
+    assert "global" in groups and any(kind.startswith("sliding window") for kind in groups)
+    assert sum(g["num_layers"] for g in groups.values()) == 4
+    assert sum(g["num_layers"] * g["kv_bytes_per_token_per_layer"] for g in groups.values()) == report[
+        "kv_bytes_per_token"
+    ]

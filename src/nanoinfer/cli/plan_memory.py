@@ -266,6 +266,7 @@ def build_report(s: dict, device: dict) -> dict:
         "activation_bytes": run["activation_bytes"],
         "kv_budget_bytes": budget,
         "kv_bytes_per_token": run["block_bytes"] // s["kvcache_block_size"],
+        "kv_layer_groups": _kv_layer_groups(s["spec"], tp, s["kv_cache_dtype"]),
         "block_bytes": run["block_bytes"],
         "num_blocks": plan.num_blocks if plan else 0,
         "num_tokens": plan.num_tokens if plan else 0,
@@ -278,6 +279,24 @@ def build_report(s: dict, device: dict) -> dict:
         "smallest_tensor_parallel_size": smallest_tp,
         "notes": s["notes"],
     }
+
+
+def _kv_layer_groups(spec, tp: int, kv_cache_dtype: str) -> list[dict]:
+    """KV bytes a token takes per layer on one rank, by kind of layer (global or a sliding window, KV heads x head
+    size): where a model's layers differ (Gemma 2-4, OLMo 3), each group's share of the cache."""
+    groups: dict[tuple, int] = {}
+    for layer in spec.layers:
+        if getattr(layer, "kv_shared_from", None) is not None:
+            continue  # reads another layer's cache: no bytes of its own
+        key = (layer.sliding_window, layer.num_kv_heads, layer.head_dim)
+        groups[key] = groups.get(key, 0) + 1
+    size = memory.dtype_bytes(kv_cache_dtype)
+    return [
+        {"attention": "global" if window is None else f"sliding window {window}",
+         "kv_heads": kv_heads, "head_dim": head_dim, "num_layers": count,
+         "kv_bytes_per_token_per_layer": 2 * max(1, kv_heads // tp) * head_dim * size}
+        for (window, kv_heads, head_dim), count in groups.items()
+    ]  # fmt: skip
 
 
 def _render(r: dict) -> None:
@@ -296,6 +315,8 @@ def _render(r: dict) -> None:
         ("activation peak (estimate)", f"{size(r['activation_bytes'])} ({r['activation_bytes']:,} B)"),
         ("KV budget", f"{size(r['kv_budget_bytes'])} ({r['kv_budget_bytes']:,} B)"),
         ("KV bytes per token", f"{r['kv_bytes_per_token']:,}"),
+        *[(f"  {g['num_layers']} layers: {g['attention']}, {g['kv_heads']} KV heads x {g['head_dim']}",
+           f"{g['kv_bytes_per_token_per_layer']:,} a layer") for g in r["kv_layer_groups"]],
         (f"block bytes ({r['kvcache_block_size']} tokens)", f"{r['block_bytes']:,}"),
         ("blocks", f"{r['num_blocks']:,}"),
         ("tokens", f"{r['num_tokens']:,}"),

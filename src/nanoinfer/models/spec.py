@@ -45,18 +45,6 @@ class ModelSpec:
         tp = tensor_parallel_size
         return sum(2 * max(1, layer.num_kv_heads // tp) * layer.head_dim for layer in self.layers)
 
-    def kv_groups(self) -> list[tuple[str, int, int]]:
-        """(description, number of layers, K and V elements a token per layer) by attention kind, for plan-memory."""
-        groups: dict[tuple, int] = {}
-        for layer in self.layers:
-            key = (layer.sliding_window, layer.num_kv_heads, layer.head_dim)
-            groups[key] = groups.get(key, 0) + 1
-        out = []
-        for (window, kv_heads, head_dim), count in groups.items():
-            kind = "global" if window is None else f"sliding window {window}"
-            out.append((f"{kind}, {kv_heads} KV heads x {head_dim}", count, 2 * kv_heads * head_dim))
-        return out
-
     def check_tensor_parallel(self, tensor_parallel_size: int) -> bool:
         """Heads must split evenly over ranks; KV heads must split evenly or be replicated evenly, in every layer."""
         tp = tensor_parallel_size
