@@ -135,7 +135,7 @@ def ab_attention(builds: dict, reps: int, batch: int, run_rows: int, dtype: str,
         for name, ops in turns(builds, rep):
             start = time.perf_counter()
             for k_cache, v_cache in layers:
-                ops.paged_decode(query, k_cache, v_cache, tables_t, lens_t, head_dim**-0.5, 0)
+                ops.paged_decode(query, k_cache, v_cache, tables_t, lens_t, head_dim**-0.5, 0, 0.0)
             best[name] = min(best[name], time.perf_counter() - start)
     print(f"{batch} sequences x {run_rows} rows, {dtype}, blocks of {block_size}, 30 layers: "
           + "  ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in best.items()))  # fmt: skip

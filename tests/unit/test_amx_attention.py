@@ -56,7 +56,7 @@ def test_amx_decode_attention_matches_float64_reference(block_size, heads, head_
     seq_lens = [1, 15, 16, 17, 32, 33, 300]
     query, k_cache, v_cache, tables, lens = _decode_batch(seq_lens, *heads, head_dim, block_size, seed=head_dim)
     scale = head_dim**-0.5
-    got = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, scale, 0)
+    got = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, scale, 0, 0.0)
     expected = _reference(query, k_cache, v_cache, tables, lens, scale)
     assert got.dtype == torch.bfloat16 and got.shape == query.shape
     # bfloat16 output (a relative step of 2^-8) and float32 sums in another order: a step or two, no more.
@@ -71,7 +71,7 @@ def test_amx_decode_value_pass_keeps_float32_accuracy(heads):
     float64 result correctly rounded to bfloat16; with one rounding of p a third of them missed (prefill)."""
     seq_lens = [1, 31, 32, 33, 150, 300, 257]
     query, k_cache, v_cache, tables, lens = _decode_batch(seq_lens, *heads, 64, 16, seed=7)
-    got = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, 0.125, 0)
+    got = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, 0.125, 0, 0.0)
     expected = _reference(query, k_cache, v_cache, tables, lens, 0.125)
     assert (got.double() == expected.bfloat16().double()).float().mean() > 0.99
 
@@ -88,8 +88,8 @@ def test_tiles_read_in_place_and_through_the_padded_copy_give_the_same_bits():
     k_shuffled[perm] = k_cache
     v_shuffled[perm] = v_cache
     tables_shuffled = perm[tables.long()].int()
-    a = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, 0.125, 0)
-    b = cpu_ops().paged_decode(query, k_shuffled, v_shuffled, tables_shuffled, lens, 0.125, 0)
+    a = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, 0.125, 0, 0.0)
+    b = cpu_ops().paged_decode(query, k_shuffled, v_shuffled, tables_shuffled, lens, 0.125, 0, 0.0)
     assert torch.equal(a, b)
 
 
@@ -110,7 +110,7 @@ def test_amx_path_agrees_with_the_generic_reference_of_the_engine():
         seq_lens_cpu=seq_lens,
     )
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
-    got = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, 0.125, 0)
+    got = cpu_ops().paged_decode(query, k_cache, v_cache, tables, lens, 0.125, 0, 0.0)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -147,7 +147,7 @@ def test_amx_prefill_attention_matches_float64_reference(block_size, heads, head
     q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
     scale = head_dim**-0.5
     out = torch.empty_like(query)
-    cpu_ops().paged_prefill(query, k_cache, v_cache, tables, q_starts, q_lens_t, lens, scale, out)
+    cpu_ops().paged_prefill(query, k_cache, v_cache, tables, q_starts, q_lens_t, lens, scale, out, 0, 0.0)
     expected = _prefill_reference(query, k_cache, v_cache, tables, q_starts, q_lens_t, lens, scale)
     # The probabilities enter the second product as two bfloat16 parts (~16 bits): the output is the float64
     # result rounded to bfloat16, a step off now and then.

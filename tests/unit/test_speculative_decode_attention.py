@@ -62,18 +62,18 @@ def test_runs_of_rows_give_each_row_its_bits_alone(dtype, cache_dtype, heads, ru
     query, k_cache, v_cache, tables, lens = _runs(num_seqs, run_len, num_heads, num_kv_heads, head_dim, block_size,
                                                   dtype, cache_dtype)  # fmt: skip
     ops = cpu_ops()
-    together = ops.paged_decode(query, k_cache, v_cache, tables, lens, 0.1, 0)
+    together = ops.paged_decode(query, k_cache, v_cache, tables, lens, 0.1, 0, 0.0)
     if num_seqs == 1:  # each row in a call of its own
         alone = torch.cat([ops.paged_decode(query[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1],
-                                            0.1, 0)
+                                            0.1, 0, 0.0)
                            for i in range(len(lens))])  # fmt: skip
     else:  # the same rows in an order where no two neighbours make a run: every row computed alone
         order = torch.tensor(sorted(range(len(lens)), key=lambda i: (i % run_len, i // run_len)))
         alone = torch.empty_like(together)
-        alone[order] = ops.paged_decode(query[order], k_cache, v_cache, tables[order], lens[order], 0.1, 0)
+        alone[order] = ops.paged_decode(query[order], k_cache, v_cache, tables[order], lens[order], 0.1, 0, 0.0)
     assert torch.equal(together, alone)
     # The first run on its own: one run, fewer than threads, so split by KV heads where the others went whole.
-    first = ops.paged_decode(query[:run_len], k_cache, v_cache, tables[:run_len], lens[:run_len], 0.1, 0)
+    first = ops.paged_decode(query[:run_len], k_cache, v_cache, tables[:run_len], lens[:run_len], 0.1, 0, 0.0)
     assert torch.equal(first, together[:run_len])
     expected = _reference(query, k_cache, v_cache, tables, lens, 0.1)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 outputs: 8 mantissa bits (caches widen exactly)

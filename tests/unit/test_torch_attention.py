@@ -263,7 +263,7 @@ def test_cpu_decode_kernel_reads_queries_in_place_from_the_fused_qkv_output(dtyp
     qkv = torch.cat([query.flatten(1), torch.randn(3, 2 * 3 * 64).to(dtype)], dim=1)  # [3, 960]
     q_view = qkv.narrow(1, 0, 9 * 64).view(3, 9, 64)
     assert not q_view.is_contiguous()
-    args = (k_cache, v_cache, metadata.block_tables, metadata.seq_lens, 0.125, 0)
+    args = (k_cache, v_cache, metadata.block_tables, metadata.seq_lens, 0.125, 0, 0.0)
     got = cpu_ops().paged_decode(q_view, *args)
     assert got.is_contiguous()
     assert torch.equal(got, cpu_ops().paged_decode(query.contiguous(), *args))
@@ -325,7 +325,7 @@ def test_bfloat16_queries_over_a_float32_cache_are_close_to_the_reference(use_ke
 
 MASK_CASES = [
     # (query_lens, seq_lens, window, soft cap): decode rows inside, at and past the window; fresh and chunked
-    # prompts longer than the window; contexts that fit it (the C++ prefill kernel then takes them)
+    # prompts longer than the window; contexts that fit it
     ([1, 1, 1, 1], [1, 24, 25, 700], 24, None),
     ([1, 37, 1, 20], [300, 37, 513, 290], 24, None),
     ([1, 37, 1, 20], [300, 37, 513, 290], None, 5.0),
@@ -337,11 +337,16 @@ MASK_CASES = [
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", MASK_CASES)
-def test_sliding_window_and_soft_cap_match_the_reference(use_kernel, bf16, case):
-    """Each backend path (C++ decode with its window, the C++ prefill kernel where every context fits the window,
-    plain torch otherwise) against the reference's masked, capped attention."""
+def test_sliding_window_and_soft_cap_match_the_reference(use_kernel, bf16, case, monkeypatch):
+    """Both backends (the C++ decode and prefill kernels, plain torch) against the reference's masked, capped
+    attention; the C++ backend takes every such step itself."""
     if use_kernel and cpu_ops() is None:
         pytest.skip("no C++ compiler for the CPU kernel")
+    if use_kernel:
+        def no_fallback(*args, **kwargs):
+            raise AssertionError("a masked step fell back to plain torch")
+
+        monkeypatch.setattr(TorchBackend, "_prefill_one", no_fallback)
     query_lens, seq_lens, window, cap = case
     dtype = torch.bfloat16 if bf16 else torch.float32
     query, k_cache, v_cache, metadata = make_batch(query_lens, seq_lens, 8, 2, 64, 256, dtype)

@@ -1,9 +1,9 @@
 """The CPU attention backend: torch_backend's step plan, run on the C++ kernels where they take the step.
 
 Decode sequences go to csrc/paged_attention.cpp (reading the cache in place, each row's last `window` keys under
-a sliding window), every prompt chunk of a step to csrc/prefill_attention.cpp in one call (where no context is
-longer than the window), the KV store to the C++ store; anything the kernels do not take (a dtype, a head size, a
-soft cap, a prompt longer than its window) falls to the plain-torch backend it extends.
+a sliding window), every prompt chunk of a step to csrc/prefill_attention.cpp in one call, the KV store to the C++
+store; both kernels take sliding windows and soft caps. Anything the kernels do not take (a dtype, a head size)
+falls to the plain-torch backend it extends.
 """
 
 from __future__ import annotations
@@ -31,25 +31,21 @@ class CpuAttentionBackend(TorchBackend):
         super().store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def _prefill_all(self, query, k_cache, v_cache, metadata, plan, mask, out) -> bool:
-        if mask.soft_cap is not None:
-            return False  # the kernel's scores are uncapped: torch's path
-        window = mask.sliding_window
-        if window is not None and max(plan.seq_lens[i] for i in plan.prefill_ids) > window:
-            return False  # a context longer than the window: torch's path (within it the window hides nothing)
         if not (query.dtype in KERNEL_DTYPES and k_cache.dtype in KERNEL_CACHE_DTYPES and query.shape[-1] % 16 == 0
                 and k_cache.shape[1] % 64 == 0 and rows_contiguous(query)):  # fmt: skip
             return False
         # Reads the keys this step just stored.
-        self.ops.paged_prefill(query, k_cache, v_cache, *plan.prefill_args(metadata), mask.scale, out)
+        self.ops.paged_prefill(query, k_cache, v_cache, *plan.prefill_args(metadata), mask.scale, out,
+                               mask.sliding_window or 0, mask.soft_cap or 0.0)  # fmt: skip
         return True
 
     def _decode_attention(self, q, k_cache, v_cache, plan, mask) -> torch.Tensor:
-        if q.dtype not in KERNEL_DTYPES or k_cache.dtype not in KERNEL_CACHE_DTYPES or mask.soft_cap is not None:
+        if q.dtype not in KERNEL_DTYPES or k_cache.dtype not in KERNEL_CACHE_DTYPES:
             return super()._decode_attention(q, k_cache, v_cache, plan, mask)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()  # the kernel reads each token's heads as one row (any stride between tokens)
         return self.ops.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, mask.scale,
-                                     mask.sliding_window or 0)  # fmt: skip
+                                     mask.sliding_window or 0, mask.soft_cap or 0.0)  # fmt: skip
 
 
 def rows_contiguous(x: torch.Tensor) -> bool:

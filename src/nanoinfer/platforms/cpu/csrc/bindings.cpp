@@ -2,10 +2,11 @@
 #include "simd.h"
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                           double soft_cap);
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                    torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens, double scale,
-                   torch::Tensor out);
+                   torch::Tensor out, int64_t window, double soft_cap);
 void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -33,11 +34,13 @@ torch::Tensor greedy_lm_head(const torch::Tensor& hidden, const torch::Tensor& a
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
-        "paged decode attention over the block tables, of each row's last `window` keys (0: all of them)");
+        "paged decode attention over the block tables, of each row's last `window` keys (0: all of them), scores "
+        "soft-capped at soft_cap (0: none)");
   m.def("zeros_on_huge_pages", &zeros_on_huge_pages,
         "a zero-filled tensor on 2 MiB pages where Linux grants them, committed as it is written");
   m.def("paged_prefill", &paged_prefill,
-        "causal prefill attention of every prompt chunk of a step, reading the paged cache in place, into out");
+        "causal prefill attention of every prompt chunk of a step, reading the paged cache in place, into out "
+        "(keys in each query's last `window` positions, 0: all; scores soft-capped at soft_cap, 0: none)");
   m.def("store_kvcache", &store_kvcache, "key/value rows into their cache slots (-1 skipped)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension (float32)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (float32)");

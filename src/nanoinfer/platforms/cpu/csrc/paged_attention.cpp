@@ -28,6 +28,13 @@ static inline void prefetch_row(const T* row, int h0, int h1, int D) {
   for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, HINT);
 }
 
+// The attention-logit soft cap (Gemma 2) on a head's scaled scores, in place: cap * tanh(s / cap); returns the
+// capped max (tanh is increasing, so the max's image is the new max).
+static inline float cap_scores(float* s, int len, float max, float cap) {
+  for (int t = 0; t < len; ++t) s[t] = cap * std::tanh(s[t] / cap);
+  return cap * std::tanh(max / cap);
+}
+
 // exp(s - m) for a head's `len` scores, in place; returns their sum.
 static inline float softmax_numerators(float* sq, int len, float max) {
   const __m256 m = _mm256_set1_ps(max);
@@ -52,7 +59,7 @@ static inline float softmax_numerators(float* sq, int len, float max) {
 // 768 bytes) measured 3x slower per byte than the whole rows.
 template <typename T>
 static void attend_avx2(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
-                        int Hkv, int h0, int h1, float* scores, float* acc) {
+                        int Hkv, int h0, int h1, float* scores, float* acc, float soft_cap = 0.f) {
   const int chunks = D / 8;
   const int Hq = Hkv * G;
   std::vector<float> maxes(Hq, -INFINITY);
@@ -84,7 +91,11 @@ static void attend_avx2(const float* qf, const T* k, const T* v, const size_t* r
   }
   // Softmax numerators in place; 1/sum is applied to the output at the end.
   std::vector<float> inv_sums(Hq);
-  for (int qh = h0 * G; qh < h1 * G; ++qh) inv_sums[qh] = 1.f / softmax_numerators(scores + (size_t)qh * len, len, maxes[qh]);
+  for (int qh = h0 * G; qh < h1 * G; ++qh) {
+    float* sq = scores + (size_t)qh * len;
+    const float m = soft_cap > 0.f ? cap_scores(sq, len, maxes[qh], soft_cap) : maxes[qh];
+    inv_sums[qh] = 1.f / softmax_numerators(sq, len, m);
+  }
   std::fill(acc + (size_t)h0 * G * D, acc + (size_t)h1 * G * D, 0.f);
   for (int t = 0; t < len; ++t) {
     const T* row = v + rows[t];
@@ -308,7 +319,8 @@ static void value_pass_avx512(const T* v, const size_t* rows, int len, int G, in
 template <typename T>
 static void attend_avx512(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
                           int h0, int h1, float* scores, float* acc,
-                          const at::BFloat16* qb = nullptr, float scale = 1.f, const int* col_lens = nullptr) {
+                          const at::BFloat16* qb = nullptr, float scale = 1.f, const int* col_lens = nullptr,
+                          float soft_cap = 0.f) {
   const int C = D / 16;
   const int q0 = h0 * G, q1 = h1 * G, nq = q1 - q0;
   static thread_local std::vector<float> parked_buf, max_buf;
@@ -376,9 +388,10 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
   }
   std::vector<float> inv_sums(nq);
   for (int j = 0; j < nq; ++j) {
-    const float m = *std::max_element(maxes8 + j * 8, maxes8 + j * 8 + 8);
+    float m = *std::max_element(maxes8 + j * 8, maxes8 + j * 8 + 8);
     float* sj = scores + (size_t)(q0 + j) * len;
     const int own = col_lens ? col_lens[q0 + j] : len;
+    if (soft_cap > 0.f) m = cap_scores(sj, own, m, soft_cap);
     inv_sums[j] = 1.f / softmax_numerators(sj, own, m);
     std::fill(sj + own, sj + len, 0.f);
   }
@@ -701,7 +714,7 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
 // The portable path: same algorithm, plain loops.
 template <typename T>
 static void attend_scalar(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
-                          int h0, int h1, float* scores, float* acc) {
+                          int h0, int h1, float* scores, float* acc, float soft_cap = 0.f) {
   for (int t = 0; t < len; ++t) {
     const T* row = k + rows[t];
     for (int qh = h0 * G; qh < h1 * G; ++qh) {
@@ -715,6 +728,7 @@ static void attend_scalar(const float* qf, const T* k, const T* v, const size_t*
     float* sq = scores + (size_t)qh * len;
     float m = -INFINITY;
     for (int t = 0; t < len; ++t) m = std::max(m, sq[t]);
+    if (soft_cap > 0.f) m = cap_scores(sq, len, m, soft_cap);
     float sum = 0.f;
     for (int t = 0; t < len; ++t) { sq[t] = std::exp(sq[t] - m); sum += sq[t]; }
     for (int t = 0; t < len; ++t) sq[t] /= sum;
@@ -747,7 +761,7 @@ inline void for_run_heads(int h0, int h1, int R, int G, F&& f) {
 template <typename TQ, typename TC>
 static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables, const int* lens, TQ* out,
                         int B, int Hq, int Hkv, int D, int bs, int max_blocks, float scale, int64_t q_stride,
-                        int window) {
+                        int window, float soft_cap) {
   const int G = Hq / Hkv;
 #ifdef NANOINFER_AVX2
   const bool vector = D % 8 == 0 && D <= 256;  // attend_avx2 widens a key slice into a 256-float buffer
@@ -768,7 +782,7 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   // its tiles. -DNANOINFER_NO_AMX_ATTN builds without it: the A/B switch of a standalone build (the numbers
   // above attend_amx were measured that way).
   bool amx = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16> && D % 32 == 0 &&
-             D <= 256 && G <= 16 && amx_permitted();
+             D <= 256 && G <= 16 && soft_cap == 0.f && amx_permitted();  // its softmax is uncapped
 #ifdef NANOINFER_NO_AMX_ATTN
   amx = false;
 #endif
@@ -782,7 +796,7 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   for (int b = 1; b < B; ++b) {
     const int* prev = tables + (size_t)(b - 1) * max_blocks;
     // With a sliding window each row reads its own last `window` keys: rows stay apart.
-    const bool same = window == 0 && lens[b] == lens[b - 1] + 1 &&
+    const bool same = window == 0 && soft_cap == 0.f && lens[b] == lens[b - 1] + 1 &&
                       std::equal(prev, prev + max_blocks, tables + (size_t)b * max_blocks);
     if (!same) run_starts.push_back(b);
   }
@@ -902,15 +916,16 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
               const at::BFloat16* qb = nullptr;
               if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>)
                 if (D % 32 == 0) qb = q + (size_t)b * q_stride;
-              attend_avx512(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data(), qb, scale);
+              attend_avx512(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data(), qb, scale, nullptr,
+                            soft_cap);
             } else
 #endif
 #ifdef NANOINFER_AVX2
             if (vector)
-              attend_avx2(qf.data(), k, v, row0, len, G, D, Hkv, h0, h1, scores.data(), acc.data());
+              attend_avx2(qf.data(), k, v, row0, len, G, D, Hkv, h0, h1, scores.data(), acc.data(), soft_cap);
             else
 #endif
-              attend_scalar(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data());
+              attend_scalar(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data(), soft_cap);
           }
           for (int qh = h0 * G; qh < h1 * G; ++qh)
             for (int d = 0; d < D; ++d) out[((size_t)b * Hq + qh) * D + d] = static_cast<TQ>(acc[qh * D + d]);
@@ -927,7 +942,8 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
 // q [B, Hq, D]: each token's heads contiguous, any stride between tokens (a view of the fused qkv output
 // is read in place: copying it out took ~20 us a layer in decode, 0.15-0.2 s of W). out: contiguous.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                           double soft_cap) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_decode: q [tokens, heads, D] with each token's heads contiguous");
   const int B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -944,7 +960,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     with_typed<true>(k_cache, "paged_decode cache", [&](auto* kp) {
       using TC = std::remove_pointer_t<decltype(kp)>;
       decode_impl(qp, kp, static_cast<TC*>(v_cache.data_ptr()), tp, lp, out.data_ptr<TQ>(), B, Hq, Hkv, D, bs, mb,
-                  (float)scale, q.stride(0), (int)window);
+                  (float)scale, q.stride(0), (int)window, (float)soft_cap);
     });
   });
   return out;

@@ -211,8 +211,8 @@ void pack_keys(const TC* kc, const Chunk& c, int h, int Hkv, int D, int bs, floa
 // computes only the 16-key groups its last row can see: on the diagonal the rest would be masked anyway.
 template <typename TQ, typename TC>
 void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* out, int64_t out_stride,
-            const Chunk& c, int p0, int p1, int h, int G, int Hkv, int D, int bs, float scale,
-            std::vector<float>& work) {
+            const Chunk& c, int p0, int p1, int h, int G, int Hkv, int D, int bs, float scale, int window,
+            float soft_cap, std::vector<float>& work) {
   const int rows = (p1 - p0) * G;
   const int64_t kv_stride = (int64_t)Hkv * D;  // elements from one token's cache row to the next
   work.resize((size_t)rows * D * 2 + (size_t)rows * kKeyTile + 2 * (size_t)rows);
@@ -231,7 +231,9 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
   }
   std::fill(O, O + (size_t)rows * D, 0.f);
   const int keys = pos(rows - 1) + 1;  // the last row sees keys [0, keys)
-  for (int k0 = 0; k0 < keys; k0 += kKeyTile) {
+  // With a sliding window the first row sees nothing before its window: start at the tile that holds its first key.
+  const int first_key = window > 0 ? std::max(0, pos(0) - window + 1) / kKeyTile * kKeyTile : 0;
+  for (int k0 = first_key; k0 < keys; k0 += kKeyTile) {
     const int n = std::min(kKeyTile, keys - k0);
     const int64_t row0 = (int64_t)c.table[k0 / bs] * bs + k0 % bs;  // the tile's first cache row
     const TC* vbase = vc + row0 * kv_stride + (int64_t)h * D;
@@ -246,14 +248,18 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
         tile_rows<false>(R, w, Q + (size_t)r0 * D, D, kg, kg + (size_t)D * NR, NR, D,
                          S + (size_t)r0 * kKeyTile + g * NR, kKeyTile);
       }
-      // Online softmax; a row's keys past its own position get probability 0.
+      // Online softmax; a row's keys past its own position, or before its sliding window, get probability 0.
       for (int r = r0; r < r0 + R; ++r) {
         float* sr = S + (size_t)r * kKeyTile;
         const int valid = std::min(n, pos(r) + 1 - k0);
-        if (valid <= 0) {
+        const int lo = window > 0 ? std::max(0, pos(r) - window + 1 - k0) : 0;  // first key inside the window
+        if (valid <= lo) {
           std::fill(sr, sr + seen, 0.f);
           continue;
         }
+        if (soft_cap > 0.f)  // cap * tanh(score / cap), on the scaled score, as transformers applies it
+          for (int j = lo; j < valid; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
+        std::fill(sr, sr + lo, -INFINITY);
         const float mx = max_of(sr, valid, m[r]);
         const float alpha = std::exp(m[r] - mx);  // 0 on the first tile (m = -inf)
         l[r] = l[r] * alpha + exp_shifted(sr, valid, seen, mx);
@@ -468,7 +474,7 @@ void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb,
 
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                    torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens, double scale,
-                   torch::Tensor out) {
+                   torch::Tensor out, int64_t window, double soft_cap) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill: query rows");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "paged_prefill: out like the queries");
@@ -500,7 +506,9 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     return chunks[x[0]].seq_len - chunks[x[0]].q_len + x[1] > chunks[y[0]].seq_len - chunks[y[0]].q_len + y[1];
   });
 #ifdef NANOINFER_AMX
-  if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && D % 32 == 0 && amx_permitted()) {
+  // The AMX path attends causally and uncapped: a window or a soft cap takes the float path below.
+  if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && D % 32 == 0 && window == 0 &&
+      soft_cap == 0 && amx_permitted()) {
     // Keys and values packed as tiles (pack_kv_amx), per chunk and KV head, kKeyTile-padded.
     const PackedLayout lay(chunks, kKeyTile, D, Hkv);
     const std::vector<int64_t>& offsets = lay.offsets;
@@ -565,7 +573,8 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
           const auto [i, p0, h] = items[it];
           const Chunk& c = chunks[i];
           attend(qp, q.stride(0), keys_t + kt_offsets[i] + h * kt_sizes[i], vp, op, out.stride(0), c, p0,
-                 std::min(c.q_len, p0 + kQueryTile), h, Hq / Hkv, Hkv, D, bs, (float)scale, work);
+                 std::min(c.q_len, p0 + kQueryTile), h, Hq / Hkv, Hkv, D, bs, (float)scale, (int)window,
+                 (float)soft_cap, work);
         }
       }
     });
