@@ -291,8 +291,10 @@ class Config:
             return []
         # An unresolved or invalid kv_cache_dtype has its own problem: judge the backend by the model dtype.
         kv_dtype = self.kv_cache_dtype if self.kv_cache_dtype in KV_CACHE_DTYPES[1:] else self.dtype
+        spec = self.model_spec
+        max_head_dim = max((layer.head_dim for layer in spec.layers), default=None) if spec is not None else None
         try:
-            backend, why = select_backend(self.attention_backend, self.device, self.dtype, kv_dtype)
+            backend, why = select_backend(self.attention_backend, self.device, self.dtype, kv_dtype, max_head_dim)
         except ConfigError as e:
             return list(e.problems)
         if self.attention_backend == "auto":
@@ -476,7 +478,8 @@ def _range_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
 
 def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
     """Checks against the loaded hf_config: a supported architecture (the registry's), whose family reads the
-    config (c.model_spec), with every layer's heads divisible by tensor_parallel_size."""
+    config (c.model_spec), with every layer's heads divisible by tensor_parallel_size (and 1 for a family that
+    runs on one rank only: supports_tensor_parallel False)."""
     architecture = registry.architecture_of(c.hf_config)
     if architecture is None:
         return [
@@ -501,6 +504,15 @@ def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
     tp = c.tensor_parallel_size
     if "tensor_parallel_size" in bad or not 1 <= tp <= 8:
         return []
+    if tp > 1 and not c.model_spec.supports_tensor_parallel:
+        return [
+            ConfigProblem(
+                "tensor_parallel_size",
+                tp,
+                f"must be 1 for {architecture}: nanoinfer does not shard this family's layers. Use "
+                "tensor_parallel_size: 1.",
+            )
+        ]
     heads = sorted({n for layer in c.model_spec.layers for n in (layer.num_heads, layer.num_kv_heads)})
     if any(n % tp for n in heads):
         divisors = [d for d in range(1, 9) if all(n % d == 0 for n in heads)]

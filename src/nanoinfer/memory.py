@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nanoinfer.errors import ModelLoadError, NanoInferError, OutOfMemoryError
-from nanoinfer.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
+
+    from nanoinfer.models.spec import ModelSpec  # read by attribute only: memory sits below the models
 
 GiB = 1 << 30
 MiB = 1 << 20

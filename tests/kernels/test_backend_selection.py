@@ -67,6 +67,14 @@ def test_forcing_flash_attn_in_float32_names_the_dtype_fix(installed):
         backend.select_backend("flash-attn", "cuda", "float32")
 
 
+def test_heads_wider_than_flash_attn_takes_go_to_triton(installed):
+    installed(flash_attn=True, triton=True)  # Gemma 4's global layers: heads of 512
+    assert backend.select_backend("auto", "cuda", "bfloat16", max_head_dim=512)[0] == "triton"
+    assert backend.select_backend("auto", "cuda", "bfloat16", max_head_dim=256)[0] == "flash-attn"
+    with pytest.raises(ConfigError, match=r"heads of at most 256 features, but the model's widest has 512"):
+        backend.select_backend("flash-attn", "cuda", "bfloat16", max_head_dim=512)
+
+
 def test_forced_names_that_can_run_are_kept(installed):
     installed(flash_attn=False, triton=True)
     assert backend.select_backend("triton", "cuda", "float32") == ("triton", "set")

@@ -25,6 +25,8 @@ FAMILIES = [
     "smollm3",
     "olmo2",
     "olmo3",
+    "gemma4",
+    "gemma4_multimodal",
 ]
 NUM_TOKENS = 24
 # Log-probabilities: the engine's float32 logits agree with transformers' to 1e-4 (summation order only; the

@@ -43,11 +43,16 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str | None = None) -> tuple[str, str]:
+# flash-attn 2's kernels take heads of at most this size (Gemma 4's global layers have 512)
+FLASH_ATTN_MAX_HEAD_DIM = 256
+
+
+def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str | None = None,
+                   max_head_dim: int | None = None) -> tuple[str, str]:  # fmt: skip
     """The one rule: (backend name, why) for `attention_backend: requested` on this device and dtype.
 
-    auto -> flash-attn (CUDA, package installed, fp16/bf16, cache in the model's dtype) > triton (CUDA,
-    package installed) > torch.
+    auto -> flash-attn (CUDA, package installed, fp16/bf16, cache in the model's dtype, every head at most 256
+    wide: max_head_dim, the model's widest) > triton (CUDA, package installed) > torch.
     A forced name that cannot run here is a ConfigError naming the fix. Config calls this while resolving,
     so the engine only ever sees a name that runs; the platform builds the backend (Platform.attention_backend)."""
 
@@ -56,8 +61,9 @@ def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str 
 
     half = dtype in ("bfloat16", "float16")
     same_cache = kv_cache_dtype in (None, "auto", dtype)  # flash-attn reads the cache in the query's dtype
+    heads_fit = max_head_dim is None or max_head_dim <= FLASH_ATTN_MAX_HEAD_DIM
     if requested == "auto":
-        if device == "cuda" and flash_attn_available() and half and same_cache:
+        if device == "cuda" and flash_attn_available() and half and same_cache and heads_fit:
             return "flash-attn", "CUDA, flash-attn installed"
         if device == "cuda" and triton_available():
             return "triton", "CUDA" + ("" if half else f", {dtype}")
@@ -78,6 +84,11 @@ def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str 
         raise problem(
             f"reads the KV cache in the model's dtype ({dtype}), but kv_cache_dtype is {kv_cache_dtype}. Use "
             "kv_cache_dtype: auto, or attention_backend: triton."
+        )
+    if requested == "flash-attn" and not heads_fit:
+        raise problem(
+            f"takes heads of at most {FLASH_ATTN_MAX_HEAD_DIM} features, but the model's widest has {max_head_dim}. "
+            "Use attention_backend: triton (or auto)."
         )
     if requested == "triton" and not triton_available():
         raise problem("needs the triton package. Install triton, or use torch (or auto).")

@@ -1,8 +1,8 @@
 """SchedulerOutput -> batch tensors + AttentionMetadata -> model forward -> sampled token ids.
 
-Owns the model and the KV cache (one (k, v) pair per layer, [num_blocks, block_size, H_kv, D]), both made
-through the process's platform (platforms/, chosen by whoever builds the runner), which also says whether a
-fused decode runner takes pure-decode steps.
+Owns the model and the KV cache (one (k, v) pair per layer that owns one, [num_blocks, block_size, H_kv, D]),
+both made through the process's platform (platforms/, chosen by whoever builds the runner), which also says
+whether a fused decode runner takes pure-decode steps.
 Only sequences whose step reaches their last token are sampled; a prefill chunk that stops short
 contributes KV to the cache and nothing else.
 """
@@ -67,6 +67,9 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         # Each layer's cache shape (this rank's KV heads, its head size): layers may differ.
         self.kv_head_shapes = [(a.num_kv_heads, a.head_dim) for a in self.model.attention_layers()]
+        # A layer that reads an earlier layer's keys and values (Gemma 4's KV sharing) owns no cache: it is handed
+        # that layer's tensors (and stores nothing into them).
+        self.kv_shared_from = [getattr(a, "kv_shared_from", None) for a in self.model.attention_layers()]
         self.graph_runner = None  # a CUDAGraphRunner once captured
         self.allocate_kv_cache(num_blocks)
 
@@ -97,10 +100,14 @@ class ModelRunner:
         self.graph_runner = None  # captured graphs point at the old cache
         self.decode_runner = None
         self.kv_cache = self.kv_caches = None  # drop the old cache before allocating the new one
-        shapes = [(num_blocks, self.block_size, *heads) for heads in self.kv_head_shapes]
+        owners = [i for i, source in enumerate(self.kv_shared_from) if source is None]
+        shapes = [(num_blocks, self.block_size, *self.kv_head_shapes[i]) for i in owners]
         self.num_blocks = num_blocks
         self.kv_cache = self.platform.allocate_kv_cache(shapes, self.kv_cache_dtype, self.device)
         self.kv_caches = self.kv_cache.layers
+        if len(owners) < len(self.kv_shared_from):  # one (k, v) pair a layer, a sharing layer's its source's
+            owned = dict(zip(owners, self.kv_cache.layers))
+            self.kv_caches = [owned[i if source is None else source] for i, source in enumerate(self.kv_shared_from)]
         self.decode_runner = self.platform.decode_runner(self.model, self.kv_caches, self.backend)
 
     def run_model(self, input_ids, positions, metadata: AttentionMetadata, logits_indices=None) -> torch.Tensor:

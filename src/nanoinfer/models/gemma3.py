@@ -25,6 +25,9 @@ _VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "visi
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    gguf_global_every = 6
+    gguf_27b_layers = 62
+
     def attention_options(self, hf_config, layer_idx: int) -> dict:
         head_dim = head_dim_of(hf_config)
         return dict(super().attention_options(hf_config, layer_idx), soft_cap=None,
@@ -32,6 +35,18 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def rope_layer_type(self, hf_config, layer_idx: int) -> str | None:
         return hf_config.layer_types[layer_idx]
+
+    @classmethod
+    def gguf_config(cls, gguf) -> dict:
+        """Gemma 3's rope: rope.freq_base (and the linear scaling) is the global layers', the sliding ones' base is
+        rope.freq_base_swa where newer converters write it, else 10000 (llama.cpp's fixed value). The file holds
+        the text model only (a vision-language checkpoint's tower goes to a separate mmproj file)."""
+        return {
+            **super().gguf_config(gguf),
+            "rope_theta": gguf.meta_float("rope.freq_base", 1_000_000.0),
+            "rope_local_base_freq": gguf.meta_float("rope.freq_base_swa", 10_000.0),
+            "attn_logit_softcapping": None,  # Gemma 3 applies none, and its converter refuses one
+        }
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
@@ -56,14 +71,15 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return [(name, tensor_fn)]
 
 
-def language_config(hf_config):
+def language_config(hf_config, architecture: str = ARCHITECTURE_VL):
     """A copy of the checkpoint's text_config that still says which checkpoint it is (its architectures, so the
-    registry picks this class and its weight names) and whether the head is tied (the top-level config decides in
-    transformers). A config that is already the text part is returned as it is."""
+    registry picks the vision-language class and its weight names; Gemma 3's unless told) and whether the head is
+    tied (the top-level config decides in transformers). A config that is already the text part is returned as it
+    is."""
     text = getattr(hf_config, "text_config", None)
     if text is None:
         return hf_config
     text = copy.deepcopy(text)
-    text.architectures = [ARCHITECTURE_VL]
+    text.architectures = [architecture]
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
     return text

@@ -19,6 +19,8 @@ _MODELS = {
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM", "gemma2"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration", "gemma3"),
+    "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM", "gemma4_text"),
+    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForConditionalGeneration", "gemma4"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM", "phi3"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM", "smollm3"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM", "olmo2"),
@@ -30,7 +32,12 @@ _GGUF = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     # gemma GGUF entries
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # the text model; llama.cpp puts a vision tower in a separate mmproj file
     # phi3 / olmo2 GGUF entries
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 

@@ -16,6 +16,8 @@ class AttentionLayerSpec:
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None  # keys at most this many positions back (None: the whole context)
+    # The earlier layer whose cache this one reads (Gemma 4's KV sharing): it stores nothing and owns no cache.
+    kv_shared_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class ModelSpec:
     matmul_params: int  # of those, the weights of the matrix multiplies (2 FLOPs each per token)
     final_norm_params: int
     lm_head_params: int  # 0 when tied to the embedding (no memory of its own)
+    supports_tensor_parallel: bool = True  # False: the family runs on one rank only
 
     @property
     def num_layers(self) -> int:
@@ -40,14 +43,17 @@ class ModelSpec:
         return self.embedding_params + self.layer_params + self.final_norm_params + self.lm_head_params
 
     def kv_elements_per_token(self, tensor_parallel_size: int = 1) -> int:
-        """K and V elements one token takes in one rank's cache, every layer. With more ranks than KV heads each
-        rank holds one replicated head (as vLLM)."""
+        """K and V elements one token takes in one rank's cache, every layer that owns one (not those reading an
+        earlier layer's). With more ranks than KV heads each rank holds one replicated head (as vLLM)."""
         tp = tensor_parallel_size
-        return sum(2 * max(1, layer.num_kv_heads // tp) * layer.head_dim for layer in self.layers)
+        return sum(2 * max(1, layer.num_kv_heads // tp) * layer.head_dim for layer in self.layers
+                   if layer.kv_shared_from is None)  # fmt: skip
 
     def check_tensor_parallel(self, tensor_parallel_size: int) -> bool:
         """Heads must split evenly over ranks; KV heads must split evenly or be replicated evenly, in every layer."""
         tp = tensor_parallel_size
+        if tp > 1 and not self.supports_tensor_parallel:
+            return False
         return tp >= 1 and all(
             layer.num_heads % tp == 0 and (layer.num_kv_heads % tp == 0 or tp % layer.num_kv_heads == 0)
             for layer in self.layers

@@ -79,9 +79,12 @@ def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidd
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 # Gemma's norms scale by 1 + w: centre theirs on 0 so every family's scale is about 1.
-                param.normal_(0.0 if config_class.startswith("Gemma") else 1.0, 0.1)
+                param.normal_(0.0 if config_class.startswith(_PLUS_ONE_NORMS) else 1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale: 1 at init only
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
@@ -89,6 +92,10 @@ def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidd
 
 def _no_options(num_layers: int) -> dict:
     return {}
+
+
+# Config classes whose norms scale by 1 + w (Gemma 1-3); Gemma 4's scale by w, as the other families'.
+_PLUS_ONE_NORMS = ("GemmaConfig", "Gemma2Config", "Gemma3Config", "Gemma3TextConfig")
 
 
 # family -> (transformers config class, model class, the options its published checkpoints set, in a form a test's
@@ -126,6 +133,16 @@ TINY_FAMILIES = {
                 True),  # fmt: skip
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _no_options, False),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", lambda n: _olmo3_options(n), False),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", lambda n: _gemma4_options(n), True),
+    # the published checkpoints' form: language_model.* beside a vision and an audio tower, run for its text part
+    "gemma4_multimodal": ("Gemma4Config", "Gemma4ForConditionalGeneration",
+                          lambda n: dict(text_config=_gemma4_options(n),
+                                         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                            num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                                            position_embedding_size=64),
+                                         audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                           subsampling_conv_channels=[4, 4], output_proj_dims=16)),
+                          True),  # fmt: skip
 }
 
 
@@ -161,3 +178,22 @@ def _olmo3_options(num_layers: int) -> dict:
         "full_attention": dict(rope_type="yarn", rope_theta=500000.0, factor=8.0, original_max_position_embeddings=256),
     }
     return dict(layer_types=layer_types, sliding_window=32, rope_parameters=rope)
+
+
+def _gemma4_options(num_layers: int) -> dict:
+    """All that Gemma 4's dense checkpoints set, in one model (E2B / E4B: per-layer input embeddings, the last layers
+    reading earlier layers' keys and values with double-wide MLPs; 31B: values equal keys and fewer KV heads on
+    global layers; all: wider global heads with proportional rope, a window, the final soft cap). Sliding layers
+    with a global one every 3rd and last (4 : 1 and 5 : 1 published); at least 5 layers, so that a sliding and a
+    global layer each share their cache with a later one."""
+    n = max(num_layers, 5)
+    layer_types = ["full_attention" if (i + 1) % 3 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
+    rope = {
+        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+        "full_attention": dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1000000.0),
+    }
+    return dict(num_hidden_layers=n, layer_types=layer_types, sliding_window=24, rope_parameters=rope,
+                global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=512,  # the tiny tokenizer's vocabulary (build_tokenizer)
+                final_logit_softcapping=3.0)

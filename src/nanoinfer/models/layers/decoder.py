@@ -151,6 +151,7 @@ class CausalLM(nn.Module):
     }
     # The layer shape a platform's fused decode runner may run (platforms/cpu/decode_runner.py), or None.
     fused_decode_shape: str | None = None
+    supports_tensor_parallel = True  # False: Config and plan-memory keep the family on one rank
 
     def __init__(self, hf_config, backend, max_position: int):
         super().__init__()
@@ -186,7 +187,8 @@ class CausalLM(nn.Module):
     def describe(self, architecture: str) -> ModelSpec:
         """This model's ModelSpec (call on a model built with tensor_parallel_size 1, e.g. on the meta device)."""
         layers = tuple(
-            AttentionLayerSpec(a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window)
+            AttentionLayerSpec(a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window,
+                               getattr(a, "kv_shared_from", None))
             for a in self.attention_layers()
         )
 
@@ -202,4 +204,5 @@ class CausalLM(nn.Module):
             layer_params=count(self.model.layers), matmul_params=matmul,
             final_norm_params=count(self.model.norm),
             lm_head_params=0 if self.tie_word_embeddings else self.lm_head.weight.numel(),
+            supports_tensor_parallel=self.supports_tensor_parallel,
         )  # fmt: skip

@@ -71,13 +71,24 @@ GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection; shard ids "q", "k", "v". KV heads are split across ranks like query heads."""
+    """Fused q/k/v projection; shard ids "q", "k", "v". KV heads are split across ranks like query heads.
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+    shards: the projections it holds, in this order. Gemma 4 has layers without some: ("q", "k") where values
+    equal keys, ("q",) where a layer reads an earlier layer's keys and values; their parameters carry `shard_ids`
+    so the loader expects those alone."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 shards: tuple[str, ...] = ("q", "k", "v")):  # fmt: skip
+        sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        super().__init__(hidden_size, [sizes[s] for s in shards], bias)
+        self.shards = shards
+        if shards != ("q", "k", "v"):
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    param.shard_ids = shards
 
     def weight_loader(self, param, loaded, shard_id="q"):
-        super().weight_loader(param, loaded, {"q": 0, "k": 1, "v": 2}[shard_id])
+        super().weight_loader(param, loaded, self.shards.index(shard_id))
 
 
 class RowParallelLinear(nn.Module):

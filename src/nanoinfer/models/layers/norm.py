@@ -46,3 +46,16 @@ class GemmaRMSNorm(RMSNorm):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (h * self.weight.float()).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class UnscaledRMSNorm(nn.Module):
+    """x / rms(x) in float32, rounded once, with no weight (Gemma 4's value norm). transformers takes the power
+    -0.5 here rather than rsqrt; so do we, for the same bits."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)

@@ -2,7 +2,8 @@
 every rope_type it knows (default, llama3, linear, yarn, longrope, ...) matches it exactly.
 
 Partial rotary (Phi-3's partial_rotary_factor) rotates the first rotary_dim features of each head and passes the
-rest through. Per-layer-type rope (Gemma 3's local base for sliding layers) is chosen with `layer_type`.
+rest through; proportional rope (Gemma 4's global layers) instead rotates the first pairs of each half of the head.
+Per-layer-type rope (Gemma 3's local base for sliding layers) is chosen with `layer_type`.
 
 longrope switches from the short to the long factors at original_max_position_embeddings (O). nanoinfer picks them
 per position (long from position O on), so a token's rotation never depends on what it is batched with (chunked
@@ -34,6 +35,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = rope_parameters(hf_config, layer_type)
         factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0)
+        if params.get("rope_type") == "proportional":
+            # Gemma 4's: transformers' frequencies span the whole head, the pairs past the factor's at 0 (turned by
+            # angle 0, i.e. passed through exactly), so the whole head is rotated.
+            factor = 1.0
         self.rotary_dim = int(head_dim * factor)
         positions = torch.arange(max_position, dtype=torch.float32, device="cpu")  # never the meta device
         inv_freq, scaling = _rope_inv_freq(hf_config, params, self.rotary_dim, layer_type)

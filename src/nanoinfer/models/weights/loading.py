@@ -92,14 +92,14 @@ def _expected_names(model: nn.Module, packed: dict, tied: bool) -> set[str]:
     shards_by_fused: dict[str, list] = {}
     for fused, shard_id in packed.values():
         shards_by_fused.setdefault(fused, []).append(shard_id)
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         if tied and name == "lm_head.weight":
             continue
         fused = next((f for f in shards_by_fused if f".{f}." in name), None)
         if fused is None:
             names.add(name)
-        else:
-            names.update(f"{name}:{s}" for s in shards_by_fused[fused])
+        else:  # every shard of the fused name, or those its layer holds (Gemma 4's layers without v, or k and v)
+            names.update(f"{name}:{s}" for s in getattr(param, "shard_ids", shards_by_fused[fused]))
     return names
 
 
