@@ -37,6 +37,9 @@ MARKER = ".nanoinfer-complete.json"
 # Bump when the conversion changes, so caches built by an older nanoinfer are rebuilt (2: the GGUF itself and
 # its metadata, no float32 copy of the weights).
 CONVERTER_VERSION = 2
+# Likewise for a GGUF file's metadata folder (2: the config of every GGUF family, Llama 3's rope scaling, which a
+# version-1 folder of a Llama 3 file left out).
+GGUF_FOLDER_VERSION = 2
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.txt", "*.jinja", "tokenizer.model"]
@@ -57,10 +60,10 @@ def resolve_model(model: str | os.PathLike) -> Path:
         return path.resolve()
     if model.strip().lower() in DEFAULT_ALIASES:
         return ensure_default_model()
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_model_folder(path.resolve())
-    if path.is_dir() and len(gguf.gguf_files(path)) == 1:
-        return gguf_model_folder(gguf.gguf_files(path)[0].resolve())
+    if path.is_file() and path.suffix == ".gguf":  # a split model's any shard names it: shard 1 holds its metadata
+        return gguf_model_folder(gguf.first_shard(path.resolve()))
+    if path.is_dir() and gguf.gguf_files(path):
+        return gguf_model_folder(gguf.model_file(path, gguf.gguf_files(path)).resolve())
     if path.exists():
         what = "a folder without a config.json or a GGUF file" if path.is_dir() else "a file, not a folder or GGUF"
         raise _model_problem(
@@ -84,24 +87,32 @@ def resolve_model(model: str | os.PathLike) -> Path:
 
 
 def gguf_model_folder(gguf_path: Path) -> Path:
-    """A model folder for a GGUF file: config.json and tokenizer from its metadata, beside a link to the file.
+    """A model folder for a GGUF file (a split model's first shard): config.json and tokenizer from its metadata,
+    beside links to the file (every shard).
 
-    Built once into the cache (keyed by the file's path, size and modification time) in a second or a few;
-    the weights stay in the GGUF and load from it at every start.
+    Built once into the cache (keyed by the files' path, size and modification time) in a second or a few, so
+    that a start parses no metadata but what loading the weights needs; the weights stay in the GGUF and load from
+    it at every start.
     """
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    files = gguf.shards(gguf_path)  # a missing shard is a ModelLoadError naming it
+    stats = ";".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    key = hashlib.sha256(f"{GGUF_FOLDER_VERSION};{stats}".encode()).hexdigest()[:16]
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").is_file() and (target / gguf_path.name).exists():
+
+    def built() -> bool:
+        return (target / "config.json").is_file() and all((target / p.name).exists() for p in files)
+
+    if built():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file() and (target / gguf_path.name).exists():
+        if built():
             return target
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-build-") as tmp:
             out = Path(tmp) / "model"
             gguf.write_metadata_folder(gguf_path, out)
-            (out / gguf_path.name).symlink_to(gguf_path)
+            for file in files:
+                (out / file.name).symlink_to(file)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(out, target)

@@ -1,12 +1,15 @@
-"""GGUF files as a weight format: tiny random models written with the `gguf` package in every tensor type
-nanoinfer loads, run from the .gguf file itself; greedy float32 tokens equal transformers' on the same file
-(its own GGUF loader, dequantizing with the gguf package). Q4_0 / Q4_1 blocks reach the CPU 4-bit GEMM as
-they are; unsupported types and architectures are clear errors."""
+"""GGUF files as a weight format: tiny random models written with the `gguf` package as llama.cpp's converter
+writes each architecture, in every tensor type nanoinfer loads, run from the .gguf file itself; greedy float32
+tokens equal transformers' on the same file (its own GGUF loader, dequantizing with the gguf package) and the
+Hugging Face folder each file came from. Llama 3's rope scaling comes back from its rope_freqs tensor, split
+files load from their shards, Q4_0 / Q4_1 blocks reach the CPU 4-bit GEMM as they are; unsupported types and
+architectures, and missing shards, are clear errors."""
 
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,16 +20,22 @@ from typer.testing import CliRunner
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.cli import app
 from nanoinfer.errors import ModelLoadError, NanoInferError
+from nanoinfer.models.llama import llama3_rope_scaling
 from nanoinfer.models.weights import gguf as gguf_format
 from nanoinfer.platforms.cpu import linear as cpu_linear
 from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.testing.hf_reference import hf_greedy, hf_model
-from nanoinfer.testing.tiny_gguf import build_tiny_gguf
+from nanoinfer.testing.tiny_gguf import ARCHITECTURES, LLAMA3_ROPE, build_tiny_gguf, llama3_rope_factors
 
 NUM_TOKENS = 12
 K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
 CASES = [(family, kind) for family in ("qwen3", "llama") for kind in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")]
 CASES += [("qwen2", "Q4_1"), ("qwen2", "Q8_0"), ("llama", "Q4_K"), ("qwen3", "Q6_K"), ("qwen2", "Q4_K")]
+# The families llama.cpp writes its own way (Gemma's norms stored as 1 + w, sandwich norms, Phi-3's fused
+# projections and longrope tensors, partial rotary, OLMo 2's post-norms): float32 files equal their HF folder,
+# quantized ones transformers on the same file where it reads the architecture.
+FAMILY_CASES = [(family, "F32") for family in ("gemma", "gemma2", "gemma3", "phi3", "phi4_mini", "olmo2")]
+FAMILY_CASES += [("phi3", "Q4_0"), ("gemma3", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +57,21 @@ def prompts(vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (3, 17, 40)]
 
 
+def run(path, **kwargs) -> tuple[LLM, list[list[int]], list[list[int]]]:
+    """The LLM on `path`, the test prompts and its greedy tokens for them."""
+    llm = LLM(str(path), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02, **kwargs)
+    ids = prompts(llm.config.hf_config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    return llm, ids, [o.token_ids for o in llm.generate(ids, params)]
+
+
+def transformers_reads(family: str) -> bool:
+    """Whether transformers' own GGUF loader reads the family's llama.cpp architecture (not gemma, olmo2)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return ARCHITECTURES[family].lower() in GGUF_SUPPORTED_ARCHITECTURES
+
+
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
 def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_dir, family, kind):
     path = build(gguf_dir, family, kind)
@@ -63,13 +87,87 @@ def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_dir, family
     assert ours == theirs
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_4bit_blocks_go_to_the_gemm_as_they_are(gguf_dir, kind, monkeypatch):
+@pytest.mark.parametrize("family, kind", FAMILY_CASES, ids=[f"{f}-{k}" for f, k in FAMILY_CASES])
+def test_family_gguf_greedy_tokens_equal_its_hf_folder_and_transformers(gguf_dir, family, kind):
+    path = build(gguf_dir, family, kind)
+    llm, ids, ours = run(path)
+    source = json.loads((path.with_suffix(".hf") / "config.json").read_text())
+    assert llm.config.hf_config.architectures == source["architectures"]
+    if kind == "F32":  # the file's weights are the folder's (Gemma's 1 + w - 1 is exact)
+        assert ours == hf_greedy(path.with_suffix(".hf"), ids, NUM_TOKENS)[0]
+    if transformers_reads(family):
+        config = transformers.AutoConfig.from_pretrained(path.with_suffix(".hf"))
+        assert ours == hf_greedy(llm.config.model, ids, NUM_TOKENS, config=config)[0]
+
+
+def test_a_llama3_gguf_gets_its_rope_scaling_back_from_rope_freqs(gguf_dir):
+    folder = gguf_dir / "llama3"
+    folder.mkdir()
+    path = build_tiny_gguf("llama", folder / "model.gguf", rope_parameters=LLAMA3_ROPE,
+                           max_position_embeddings=131072)  # fmt: skip
+    llm, ids, ours = run(path)
+    scaling = json.loads((Path(llm.config.model) / "config.json").read_text())["rope_scaling"]
+    assert scaling == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}  # the folder's, exactly
+    assert ours == hf_greedy(path.with_suffix(".hf"), ids, NUM_TOKENS)[0]
+
+
+@pytest.mark.parametrize("low, high, head_dim", [(1.0, 4.0, 128), (1.0, 16.0, 128), (2.0, 8.0, 128), (1.0, 8.0, 16)])
+def test_llama3_rope_parameters_are_solved_from_rope_freqs(low, high, head_dim):
+    # Llama 3's (1, 4) directly; others solved from the blended pairs (one pair alone: low taken as 1)
+    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=low, high_freq_factor=high)
+    factors = llama3_rope_factors({"head_dim": head_dim}, rope)
+    assert llama3_rope_scaling(factors, 500000.0, 8192) == {
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": low, "high_freq_factor": high,
+        "original_max_position_embeddings": 8192,
+    }  # fmt: skip
+    assert llama3_rope_scaling(np.array([1.0, 3.0, 2.0, 8.0], dtype=np.float32), 500000.0, 8192) is None
+
+
+def test_a_split_gguf_loads_from_its_shards_and_a_missing_shard_is_named(gguf_dir, tmp_path):
+    folder = tmp_path / "split"
+    folder.mkdir()
+    first = build_tiny_gguf("qwen3", folder / "model.gguf", "Q8_0", split_max_tensors=8)  # as gguf-split names them
+    files = sorted(folder.glob("*.gguf"))
+    assert first == files[0] and [p.name for p in files] == [f"model-{i:05d}-of-{len(files):05d}.gguf"
+                                                             for i in range(1, len(files) + 1)]
+    assert len(files) >= 3
+    _, ids, whole = run(build(gguf_dir, "qwen3", "Q8_0"))  # the same model in one file
+    for model in (first, files[-1], folder):  # any shard, or the folder, names the model
+        assert run(model)[2] == whole
+    moved = files[1].rename(tmp_path / files[1].name)
+    for model in (first, folder):
+        with pytest.raises(ModelLoadError, match=f"{files[1].name} is missing"):
+            LLM(str(model), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
+    moved.rename(files[1])
+    # one shard fewer, renamed to look complete: the first shard's split metadata tells
+    files[-1].unlink()
+    for file in files[:-1]:
+        file.rename(file.with_name(file.name.replace(f"of-{len(files):05d}", f"of-{len(files) - 1:05d}")))
+    with pytest.raises(ModelLoadError, match="shards are not all of one model"):
+        LLM(str(folder), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
+
+
+def test_a_start_parses_the_gguf_once(gguf_dir, monkeypatch):
+    # its metadata folder is built once; a start then reads the file once, for its tensors (a 49k-token vocabulary
+    # took ~2 s a parse)
+    path = build(gguf_dir, "qwen3", "Q8_0")
+    run(path)
+    opened, open_gguf = [], gguf_format.open_gguf
+    monkeypatch.setattr(gguf_format, "open_gguf", lambda p: opened.append(p) or open_gguf(p))
+    run(path)
+    assert [p.name for p in opened] == [path.name]
+
+
+BLOCK_CASES = [("llama", "Q4_0"), ("llama", "Q4_1"), ("phi3", "Q4_1")]  # Phi-3: fused tensors, blocks split too
+
+
+@pytest.mark.parametrize("family, kind", BLOCK_CASES, ids=[f"{f}-{k}" for f, k in BLOCK_CASES])
+def test_4bit_blocks_go_to_the_gemm_as_they_are(gguf_dir, family, kind, monkeypatch):
     if not cpu_linear.q4_panels_supported():
         pytest.skip("this CPU's build has no 4-bit panel GEMM (AVX-512)")
     detected = []
     monkeypatch.setattr(cpu_linear, "pack_compact", lambda w, g: detected.append(w.shape) or None)
-    path = build(gguf_dir, "llama", kind)
+    path = build(gguf_dir, family, kind)
     llm = LLM(str(path), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
     linears = [m for name, m in llm.engine.model_runner.model.named_modules() if name.endswith("proj")]
     assert linears and all(m.packed_weight.compact is not None for m in linears)
@@ -138,16 +236,31 @@ def test_an_unsupported_tensor_type_is_an_error_naming_it(gguf_dir, monkeypatch)
         LLM(str(bad), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
 
 
-def test_an_unsupported_architecture_is_an_error_naming_it(tmp_path):
+def write_stub(path, arch: str, **metadata) -> None:
+    """A GGUF of `arch` with an embedding and the given metadata only: enough to be refused."""
     import gguf
 
-    path = tmp_path / "gemma.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
+    writer.add_embedding_length(4)
+    writer.add_head_count(1)
+    for key, value in metadata.items():
+        getattr(writer, f"add_{key}")(value)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(NanoInferError, match="GGUF architecture 'gemma' is not supported"):
-        LLM(str(path), device="cpu")
+
+
+def test_an_unsupported_architecture_is_an_error_naming_it(tmp_path):
+    write_stub(tmp_path / "mamba.gguf", "mamba")
+    with pytest.raises(NanoInferError, match="GGUF architecture 'mamba' is not supported"):
+        LLM(str(tmp_path / "mamba.gguf"), device="cpu")
+
+
+def test_an_olmo3_gguf_is_refused_not_run_as_olmo2(tmp_path):
+    # llama.cpp writes OLMo 3 under the olmo2 architecture, with a sliding window OLMo 2 does not have
+    write_stub(tmp_path / "olmo3.gguf", "olmo2", sliding_window=4096)
+    with pytest.raises(ModelLoadError, match="is an OLMo 3 GGUF"):
+        LLM(str(tmp_path / "olmo3.gguf"), device="cpu")

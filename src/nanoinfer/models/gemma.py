@@ -16,6 +16,8 @@ from nanoinfer.models.llama import LlamaForCausalLM, head_dim_of
 class GemmaForCausalLM(LlamaForCausalLM):
     fused_decode_shape = None  # csrc/decode_layers.cpp runs SiLU layers without an embedding scale
     gguf_unpermute_qk = False  # llama.cpp's converter keeps Gemma's q/k rows in HF's order
+    # llama.cpp's Gemma converters (1, 2 and 3) store every norm weight as 1 + w; GemmaRMSNorm's loader adds the 1
+    gguf_norm_offset = 1.0
     norm_class = GemmaRMSNorm
 
     def build_model(self, hf_config, backend, max_position: int) -> DecoderModel:
@@ -35,6 +37,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def rope_layer_type(self, hf_config, layer_idx: int) -> str | None:
         """The rope parameters a layer reads (rotary.rope_parameters): None, every layer the same."""
         return None
+
+    @classmethod
+    def gguf_config(cls, gguf) -> dict:
+        # The GeGLU activation is implied by the architecture; llama.cpp writes no key for it (Gemma reads
+        # hidden_act, Gemma 2 and 3 hidden_activation).
+        act = "gelu_pytorch_tanh"
+        return {**super().gguf_config(gguf), "hidden_act": act, "hidden_activation": act}
 
 
 def check_causal(hf_config) -> None:

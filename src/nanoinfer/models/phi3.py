@@ -9,10 +9,13 @@ import functools
 
 from nanoinfer.errors import ModelLoadError
 from nanoinfer.models.llama import LlamaForCausalLM, head_dim_of
+from nanoinfer.models.weights.gguf import float32_value
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     gguf_unpermute_qk = False  # Phi-3 rotates halves (NeoX style): llama.cpp keeps HF's row order
+    # llama.cpp keeps the checkpoint's fused tensors (its ffn_up holds gate and up); sanitize splits them as usual
+    gguf_tensor_names = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
     def __init__(self, hf_config, backend, max_position: int):
         super().__init__(hf_config, backend, max_position)
@@ -34,6 +37,25 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         if window is not None and window >= hf_config.max_position_embeddings:
             window = None
         return dict(super().attention_options(hf_config, layer_idx), sliding_window=window)
+
+    @classmethod
+    def gguf_config(cls, gguf) -> dict:
+        """Phi-3's keys: the rotated width (Phi-4-mini rotates 3/4 of each head), the window (0 on Phi-4: none),
+        the original context, and longrope's factors, which llama.cpp keeps as two tensors. The attention factor
+        it also writes is the one HF computes from the two contexts."""
+        head_dim = gguf.meta("embedding_length") // gguf.meta("attention.head_count")
+        config = {
+            **super().gguf_config(gguf),
+            "partial_rotary_factor": gguf.meta("rope.dimension_count", head_dim) / head_dim,
+            "sliding_window": gguf.meta("attention.sliding_window") or None,
+            "original_max_position_embeddings": gguf.meta("rope.scaling.original_context_length",
+                                                          gguf.meta("context_length")),
+        }  # fmt: skip
+        long, short = gguf.values("rope_factors_long.weight"), gguf.values("rope_factors_short.weight")
+        if long is not None:
+            config["rope_scaling"] = {"rope_type": "longrope", "long_factor": [float32_value(f) for f in long],
+                                      "short_factor": [float32_value(f) for f in short]}  # fmt: skip
+        return config
 
     def sanitize(self, name: str, tensor_fn):
         """Split the checkpoint's fused qkv_proj / gate_up_proj rows into the q/k/v and gate/up tensors the

@@ -1,40 +1,46 @@
-"""Tiny random-weight models written as GGUF files with the `gguf` package, as llama.cpp's converter writes
-them: llama.cpp's tensor names, Llama's q/k rows in GGML's rotary order, the tokenizer in the metadata. The
-linears take the tensor type asked for; norms stay F32, the embedding F16 (as llama.cpp's quantizer leaves
-small and sensitive tensors)."""
+"""Tiny random-weight models written as GGUF files with the `gguf` package, as llama.cpp's converter
+(convert_hf_to_gguf.py) writes them: its tensor names (the gguf package's own TensorNameMap, the converter's),
+its metadata keys per architecture, Llama's q/k rows in GGML's rotary order, Gemma's norms with the 1 of
+(1 + w) folded in, rope scaling as llama.cpp stores it (Llama 3's `rope_freqs`, Phi-3's longrope factor tensors),
+the tokenizer in the metadata, optionally split into shards as gguf-split does. The linears take the tensor type
+asked for; norms stay F32, the embedding F16 (as llama.cpp's quantizer leaves small and sensitive tensors).
+
+Everything here is the writer's side: nanoinfer's reader (models/weights/gguf.py and the families' GGUF hooks)
+never shares code with it, so the tests check one against the other.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
 from nanoinfer.testing.tiny_models import build_tiny_model
 
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+# tiny family -> llama.cpp architecture (gguf.MODEL_ARCH member) its converter writes
+ARCHITECTURES = {
+    "llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA", "gemma2": "GEMMA2", "gemma3": "GEMMA3",
+    "phi3": "PHI3", "phi4_mini": "PHI3", "olmo2": "OLMO2",
+}  # fmt: skip
+# Llama 3.1's rope scaling (its published config.json), for build_tiny_gguf("llama", ..., rope_parameters=LLAMA3_ROPE)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)  # fmt: skip
 
 
-def gguf_name(hf_name: str) -> str:
-    stem, _, kind = hf_name.rpartition(".")
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{kind}"
-    _, _, layer, rest = stem.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
+def gguf_options(family: str, model_kwargs: dict) -> dict:
+    """Tiny-model options the family's GGUF must have, because llama.cpp's file cannot say otherwise (the
+    caller's model_kwargs still win): Gemma 2 / 3 scale scores by head_dim ** -0.5 (query_pre_attn_scalar is not
+    written; llama.cpp uses head_dim below 27B); Gemma 3's global layers are every 6th (its sliding_window_pattern
+    is fixed, so six layers show both kinds) and its converter refuses an attention soft cap."""
+    head_dim = model_kwargs.get("head_dim", 16)
+    if family == "gemma2":
+        return dict(query_pre_attn_scalar=head_dim)
+    if family == "gemma3":
+        return dict(query_pre_attn_scalar=head_dim, num_layers=6, attn_logit_softcapping=None)
+    return {}
 
 
 def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -45,8 +51,10 @@ def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def build_tiny_gguf(family: str, path: str | Path, tensor_type: str = "F32", *, seed: int = 0,
-                    **model_kwargs) -> Path:
-    """Write `family`'s tiny model as `path` (a .gguf file), its linears in `tensor_type`; returns the path.
+                    split_max_tensors: int = 0, **model_kwargs) -> Path:
+    """Write `family`'s tiny model as `path` (a .gguf file), its linears in `tensor_type`; returns the path (the
+    first shard's when split_max_tensors > 0 splits it into `stem-0000i-of-0000N.gguf` files, as gguf-split does).
+    The Hugging Face folder it came from is left beside it, at path.with_suffix(".hf").
 
     K-quants (Q4_K, Q6_K, ...) need rows of a multiple of 256: pass hidden_size / intermediate_size to match.
     The gguf package cannot quantize to them, so their blocks are random bytes with sane scales (a valid
@@ -57,44 +65,165 @@ def build_tiny_gguf(family: str, path: str | Path, tensor_type: str = "F32", *, 
     from safetensors.torch import load_file
 
     path = Path(path)
-    hf_dir = build_tiny_model(family, path.with_suffix(".hf"), seed=seed, **model_kwargs)
+    options = {**gguf_options(family, model_kwargs), **model_kwargs}
+    hf_dir = build_tiny_model(family, path.with_suffix(".hf"), seed=seed, **options)
     config = json.loads((hf_dir / "config.json").read_text())
-    tensors = load_file(str(hf_dir / "model.safetensors"))
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
-    writer = gguf.GGUFWriter(str(path), arch)
+    tensors = {name: t.to(torch.float32).numpy() for name, t in load_file(str(hf_dir / "model.safetensors")).items()}
+    arch = gguf.MODEL_ARCH[ARCHITECTURES[family]]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
+    _METADATA[ARCHITECTURES[family]](writer, config, _rope(config))
+    _add_tokenizer(writer, hf_dir)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    for name, data in _converted(family, config, tensors):
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if data.ndim == 2 and name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            _add_quantized(writer, gguf, gguf_name, data, qtype, rng)
+        elif data.ndim == 2:
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name, data)
+    for gguf_name, data in _extra_tensors(family, config):
+        writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return writer.format_shard_names(path)[0]
+
+
+def _rope(config: dict) -> dict:
+    """The config's rope parameters as the converter reads them (transformers 5 nests them; Gemma 3 by layer type)."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return rope
+
+
+def _converted(family: str, config: dict, tensors: dict):
+    """(HF name, values) of the checkpoint's tensors as the converter's modify_tensors gives them."""
+    for name, data in tensors.items():
+        if name == "lm_head.weight" and (config.get("tie_word_embeddings") or family in ("gemma", "gemma2")):
+            continue  # a tied head is the embedding; Gemma's converters drop lm_head always
+        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            data = permute_rotary(data, config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"])
+        if family.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's Gemma converters: "Gemma3RMSNorm adds 1.0 to the norm value"
+        yield name, data
+
+
+def _extra_tensors(family: str, config: dict):
+    """(GGUF name, float32 values) of the tensors the converter's generate_extra_tensors adds: rope scaling."""
+    rope = _rope(config)
+    if family == "llama" and rope.get("rope_type") == "llama3":
+        yield "rope_freqs.weight", llama3_rope_factors(config, rope)
+    if family in ("phi3", "phi4_mini") and rope.get("long_factor"):
+        yield "rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)
+        yield "rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32)
+
+
+def llama3_rope_factors(config: dict, rope: dict) -> np.ndarray:
+    """LlamaModel.generate_extra_tensors: one divisor of each rotary pair's frequency. (The converter reads the
+    original context length from the top of config.json, 8192 when it is not there, as in Llama 3.1's.)"""
+    import torch
+
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = config.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+# ---- metadata, per architecture as its converter class writes it --------------------------------------------
+def _text_model(writer, config: dict, rope: dict) -> None:
+    """TextModel.set_gguf_parameters, the base every converter class starts from (or copies)."""
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
+    full = rope.get("full_attention", rope)
+    if full.get("rope_type") == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    writer.add_rope_freq_base(full.get("rope_theta", rope.get("rope_theta")))
+    if "sliding_attention" in rope:
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(float(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta")))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if config.get("head_dim") is not None:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+
+
+def _llama(writer, config: dict, rope: dict) -> None:
+    _text_model(writer, config, rope)
     writer.add_vocab_size(config["vocab_size"])
-    _add_tokenizer(writer, hf_dir)
-    rng = np.random.default_rng(seed)
-    qtype = gguf.GGMLQuantizationType[tensor_type]
-    for name, tensor in tensors.items():
-        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
-            continue
-        data = tensor.to(torch.float32).numpy()
-        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
-            data = permute_rotary(data, heads)
-        if data.ndim == 2 and name != "model.embed_tokens.weight" and name != "lm_head.weight":
-            _add_quantized(writer, gguf, gguf_name(name), data, qtype, rng)
-        elif data.ndim == 2:
-            writer.add_tensor(gguf_name(name), data.astype(np.float16))
-        else:
-            writer.add_tensor(gguf_name(name), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def _gemma(writer, config: dict, rope: dict) -> None:
+    """GemmaModel.set_gguf_parameters (no rope base: llama.cpp's default 10000 is Gemma's)."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+
+
+def _gemma2(writer, config: dict, rope: dict) -> None:
+    _gemma(writer, config, rope)
+    writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+
+
+def _gemma3(writer, config: dict, rope: dict) -> None:
+    _text_model(writer, config, rope)
+    assert config.get("attn_logit_softcapping") is None  # as the converter: removed in Gemma 3
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+
+
+def _phi3(writer, config: dict, rope: dict) -> None:
+    """Phi3MiniModel.set_gguf_parameters; the longrope factors are tensors (_extra_tensors)."""
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    original = config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_sliding_window(config.get("sliding_window") or 0)  # 0 tells Phi-4 (no window) apart
+    if rope.get("long_factor"):
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+
+
+_METADATA = {"LLAMA": _llama, "QWEN2": _text_model, "QWEN3": _text_model, "GEMMA": _gemma, "GEMMA2": _gemma2,
+             "GEMMA3": _gemma3, "PHI3": _phi3, "OLMO2": _text_model}  # fmt: skip
 
 
 def _add_quantized(writer, gguf, name: str, data: np.ndarray, qtype, rng) -> None:

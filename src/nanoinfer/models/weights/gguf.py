@@ -1,16 +1,22 @@
 """GGUF files as a weight format, read with the `gguf` package (llama.cpp's own reader).
 
-A GGUF model runs from a folder that holds the .gguf and its Hugging Face metadata: config.json from the
-file's metadata, the tokenizer and chat template converted by transformers' GGUF support, generation_config.
-`model_source` builds that folder once (no weights in it: a link to the file), or uses HF files a folder
-already has beside its GGUF. Weights load from the GGUF at every start: each tensor dequantized to float32 and
-cast to the model's dtype by the layer's own weight loader; where the platform's linear method reads them (the
-CPU kernels, float32), the Q4_0 / Q4_1 blocks of the linears are kept for it as they are, never found again from
-floats (platforms/cpu/linear.py, compact_from_blocks).
+A GGUF model runs from a folder that holds the .gguf (or all shards of a split one) and its Hugging Face
+metadata: config.json from the file's metadata, the tokenizer and chat template converted by transformers' GGUF
+support, generation_config. `model_source` builds that folder once (no weights in it: links to the files), or uses
+HF files a folder already has beside its GGUF. Weights load from the GGUF at every start, each file parsed once
+(GGUFModel): each tensor dequantized to float32 and cast to the model's dtype by the layer's own weight loader;
+where the platform's linear method reads them (the CPU kernels, float32), the Q4_0 / Q4_1 blocks of the linears
+are kept for it as they are, never found again from floats (platforms/cpu/linear.py, compact_from_blocks).
+
+This file is generic; what llama.cpp's converter does differently per architecture is the family's (its class,
+in models/<family>.py): `gguf_config(gguf)` (config.json fields from the metadata and rope tensors),
+`gguf_tensor_names` (GGUF block tensor -> HF module, where they differ from Llama's), `gguf_norm_offset` (a
+constant the converter added to every norm weight), `gguf_unpermute_qk` (q/k rows interleaved for GGML's rotary).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -24,6 +30,8 @@ from nanoinfer.models import registry
 # What the gguf package dequantizes and nanoinfer was tested with; the K-quants are what Q4_K_M files hold.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 BLOCK_TYPES = ("Q4_0", "Q4_1")  # read as blocks by the CPU float32 4-bit GEMM; all others are dequantized
+# llama.cpp's block tensor names -> HF module paths, as its converter maps a Llama; a family overrides some
+# (gguf_tensor_names: Gemma 2's sandwich norms, Phi-3's fused projections)
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -38,6 +46,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# tensors the converter writes for the config, not the model: rope scaling (read by the families' gguf_config)
+CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
 _SHARD = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's gguf-split names
@@ -48,14 +58,21 @@ def gguf_files(folder: Path) -> list[Path]:
 
 
 def model_file(folder: Path, files: list[Path]) -> Path:
-    """The one model among a folder's GGUF files: a single file, or the first shard of one split model."""
-    if len(files) == 1:
-        return files[0]
-    firsts = [p for p in files if (m := _SHARD.fullmatch(p.name)) and m.group(2) == "00001"]
-    if len(firsts) == 1 and all(p in shards(firsts[0]) for p in files):
-        return firsts[0]
+    """The one model among a folder's GGUF files: a single file, or the first shard of one split model (every
+    shard must be there)."""
+    firsts = {first_shard(p) for p in files}
+    if len(firsts) == 1:
+        first = firsts.pop()
+        shards(first)  # a missing shard is an error naming it
+        return first
     raise ModelLoadError(f"{folder} holds several GGUF models ({', '.join(p.name for p in files)}); keep one model "
                          "per folder (a split model's *-0000i-of-0000N.gguf shards count as one).")
+
+
+def first_shard(path: Path) -> Path:
+    """Shard 1 of the split model `path` is a shard of (its metadata is there), or `path` itself."""
+    m = _SHARD.fullmatch(path.name)
+    return path if m is None else path.with_name(f"{m.group(1)}-00001-of-{m.group(3)}.gguf")
 
 
 def shards(path: Path) -> list[Path]:
@@ -67,15 +84,37 @@ def shards(path: Path) -> list[Path]:
     paths = [path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
-        raise ModelLoadError(f"{path} is shard 1 of {count}, but {', '.join(missing)} are missing beside it.")
+        raise ModelLoadError(f"{path.name} is one of {count} shards of a split GGUF model, but {', '.join(missing)} "
+                             f"{'is' if len(missing) == 1 else 'are'} missing from {path.parent}. Put every "
+                             "shard in the same folder (download the missing ones again).")
     return paths
 
 
-def open_gguf(path: Path):
+class _Reader:
+    """Makes GGUFReader parse over a plain ndarray view of its memory map: parsing slices the map twice per
+    metadata string, and a 49k-token vocabulary's ~200k np.memmap slices cost 3x a plain view's (1.7 s -> 0.5 s
+    for the default model). The view reads the same mapped bytes."""
+
+    @property
+    def data(self):
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = value.view(np.ndarray)
+
+
+@functools.cache
+def _reader_class():
     from gguf import GGUFReader
 
+    return type("Reader", (_Reader, GGUFReader), {})
+
+
+def open_gguf(path: Path):
+    """One GGUF file parsed by the gguf package (its metadata and tensor index; tensor data stays mapped)."""
     try:
-        return GGUFReader(path)
+        return _reader_class()(path)
     except (ValueError, OSError, KeyError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e}).") from None
 
@@ -85,73 +124,146 @@ def field(reader, key: str):
     return None if value is None else value.contents()
 
 
-def architecture(reader, path: Path) -> str:
-    arch = field(reader, "general.architecture")
-    if registry.gguf_architecture(arch) is None:
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; nanoinfer runs "
-                             f"{', '.join(registry.supported_gguf_architectures())} GGUF files.")
-    return arch
+def float32_value(value):
+    """A float32 metadata value as the decimal it was written from (np.float32(1e-06) -> 1e-06, not
+    9.99999997e-07), so that config.json holds what the model's own config.json held."""
+    return None if value is None else float(str(np.float32(value)))
+
+
+class GGUFModel:
+    """One GGUF model, each file parsed once: shard 1's metadata (all of it: gguf-split puts only split.* keys
+    in the others) and every shard's tensors."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        paths = shards(self.path)
+        self.readers = [open_gguf(p) for p in paths]
+        self.arch = field(self.readers[0], "general.architecture")
+        if registry.gguf_architecture(self.arch) is None:
+            raise ModelLoadError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; nanoinfer runs "
+                                 f"{', '.join(registry.supported_gguf_architectures())} GGUF files.")
+        self.tensors = [t for reader in self.readers for t in reader.tensors]
+        self._by_name = {t.name: t for t in self.tensors}
+        self._check_split(len(paths))
+
+    def _check_split(self, num_files: int) -> None:
+        count, expected = self.field("split.count"), self.field("split.tensors.count")
+        if count is None and num_files == 1:
+            return
+        if count != num_files or (expected is not None and expected != len(self.tensors)):
+            raise ModelLoadError(f"{self.path}: the split GGUF's metadata says {count} shards holding {expected} "
+                                 f"tensors, but its {num_files} shard files hold {len(self.tensors)}. The shards are "
+                                 "not all of one model; download the split model's shards again.")
+
+    @property
+    def family(self) -> type:
+        """The family class that runs this file (and knows how llama.cpp wrote it)."""
+        return registry.model_class(registry.gguf_architecture(self.arch))
+
+    def field(self, key: str, default=None):
+        value = field(self.readers[0], key)
+        return default if value is None else value
+
+    def meta(self, key: str, default=None):
+        """The architecture's own key, e.g. meta("context_length") reads "llama.context_length"."""
+        return self.field(f"{self.arch}.{key}", default)
+
+    def meta_float(self, key: str, default=None):
+        return float32_value(self.meta(key, default))
+
+    def tensor(self, name: str):
+        return self._by_name.get(name)
+
+    def values(self, name: str) -> np.ndarray | None:
+        """Tensor `name` dequantized to float32, or None when the file has none of that name."""
+        from gguf import dequantize
+
+        tensor = self.tensor(name)
+        return None if tensor is None else np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
 # ---- metadata -> a Hugging Face folder (config.json, tokenizer, generation_config.json) ------------------
-def hf_config(reader, path: Path) -> dict:
-    """config.json for the GGUF's model, from its metadata (llama.cpp's keys)."""
-    arch = architecture(reader, path)
-    class_name = registry.gguf_architecture(arch)
-    model_type = registry.model_type_of(class_name)
-
-    def meta(key, default=None):
-        value = field(reader, f"{arch}.{key}")
-        return default if value is None else value
-
-    scaling = meta("rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{path}: rope scaling {scaling!r} in a GGUF is not supported yet; use the model's "
-                             "Hugging Face folder instead.")
-    num_heads, hidden = meta("attention.head_count"), meta("embedding_length")
-    tensor_names = {t.name for t in reader.tensors}
-    eos = field(reader, "tokenizer.ggml.eos_token_id")
-    return {
+def hf_config(model: GGUFModel) -> dict:
+    """config.json for the GGUF's model: the fields every llama.cpp architecture writes alike (its keys), then the
+    family's own (gguf_config: sliding windows, soft caps, rope scaling, ...)."""
+    class_name = registry.gguf_architecture(model.arch)
+    num_heads, hidden = model.meta("attention.head_count"), model.meta("embedding_length")
+    config = {
         "architectures": [class_name],
-        "model_type": model_type,
-        "vocab_size": meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        "model_type": registry.model_type_of(class_name),
+        "vocab_size": _vocab_size(model),
         "hidden_size": hidden,
-        "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"),
+        "intermediate_size": model.meta("feed_forward_length"),
+        "num_hidden_layers": model.meta("block_count"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": meta("attention.head_count_kv", num_heads),
-        "head_dim": meta("attention.key_length", hidden // num_heads),
+        "num_key_value_heads": model.meta("attention.head_count_kv", num_heads),
+        "head_dim": model.meta("attention.key_length", hidden // num_heads),
         "hidden_act": "silu",
-        "max_position_embeddings": meta("context_length"),
-        "rms_norm_eps": float(np.float32(meta("attention.layer_norm_rms_epsilon"))),
-        "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
-        "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
+        "max_position_embeddings": model.meta("context_length"),
+        "rms_norm_eps": model.meta_float("attention.layer_norm_rms_epsilon"),
+        "rope_theta": model.meta_float("rope.freq_base", 10000.0),
+        "tie_word_embeddings": model.tensor("output.weight") is None,  # llama.cpp writes no tied head
+        "bos_token_id": model.field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": model.field("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": model.field("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+    own = model.family.gguf_config(model)
+    if "rope_scaling" not in own:
+        config["rope_scaling"] = _rope_scaling(model)
+    return config | own
+
+
+def _vocab_size(model: GGUFModel) -> int:
+    """The embedding's rows: Gemma 3's converter drops out-of-vocabulary rows and writes no vocab_size."""
+    embedding = model.tensor("token_embd.weight")
+    if embedding is not None:
+        return int(embedding.shape[-1])  # GGML's dims: [hidden, vocab]
+    return model.meta("vocab_size") or len(model.readers[0].fields["tokenizer.ggml.tokens"].data)
+
+
+def _rope_scaling(model: GGUFModel) -> dict | None:
+    """The rope scaling llama.cpp states in metadata alike for every architecture (what a family reads from its
+    tensors, e.g. Llama 3's rope_freqs, is its gguf_config's)."""
+    kind = model.meta("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": model.meta_float("rope.scaling.factor")}
+    raise ModelLoadError(f"{model.path}: rope scaling {kind!r} in a {model.arch} GGUF is not supported yet; use the "
+                         "model's Hugging Face folder instead.")
 
 
 def write_metadata_folder(gguf_path: Path, out: Path) -> None:
-    """The GGUF's config.json, generation_config.json and tokenizer files into `out` (no weights)."""
-    from transformers import AutoTokenizer, GenerationConfig
+    """The GGUF's config.json, generation_config.json and tokenizer files into `out` (no weights); a split
+    model's from its first shard."""
+    from transformers import GenerationConfig
 
-    reader = open_gguf(gguf_path)
-    config = hf_config(reader, gguf_path)
+    model = GGUFModel(gguf_path)
+    config = hf_config(model)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     GenerationConfig(bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"],
                      pad_token_id=config["pad_token_id"]).save_pretrained(out)
-    try:  # transformers builds a fast (tokenizers) tokenizer from the GGUF's vocabulary and merges
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    except (ValueError, KeyError, OSError, NotImplementedError) as e:
-        raise ModelLoadError(f"{gguf_path}: its tokenizer cannot be converted by transformers ({e}). Put the "
-                             "model's tokenizer.json and config.json beside the GGUF.") from None
-    tokenizer.save_pretrained(out)
-    finish_tokenizer(out, field(reader, "tokenizer.ggml.pre"), field(reader, "tokenizer.chat_template"),
+    _gguf_tokenizer(gguf_path).save_pretrained(out)
+    finish_tokenizer(out, model.field("tokenizer.ggml.pre"), model.field("tokenizer.chat_template"),
                      config["max_position_embeddings"])
+
+
+def _gguf_tokenizer(gguf_path: Path):
+    """The fast (tokenizers) tokenizer transformers builds from the GGUF's vocabulary and merges. AutoTokenizer
+    first reads the file's model config, which transformers does for some architectures only (not gemma, olmo2);
+    the tokenizer needs none of it, so those go to the generic fast class."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    errors = []
+    for tokenizer_class in (AutoTokenizer, PreTrainedTokenizerFast):
+        try:
+            return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        except (ValueError, KeyError, OSError, NotImplementedError) as e:
+            errors.append(e)
+    raise ModelLoadError(f"{gguf_path}: its tokenizer cannot be converted by transformers ({errors[-1]}). Put the "
+                         "model's tokenizer.json and config.json beside the GGUF.")
 
 
 def finish_tokenizer(out: Path, pre: str | None, chat_template: str | None, model_max_length: int) -> None:
@@ -180,14 +292,14 @@ def finish_tokenizer(out: Path, pre: str | None, chat_template: str | None, mode
 
 
 # ---- weights ------------------------------------------------------------------------------------------------
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{kind}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if not match or match.group(2) not in _LAYER_NAMES:
+    if not match or match.group(2) not in layer_names:
         raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent nanoinfer knows.")
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{kind}"
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{kind}"
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -198,9 +310,10 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape).copy()
 
 
-def q4_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def q4_blocks(tensor, heads: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_0 / Q4_1 tensor's blocks as row-major (d, m, q): float16 [N, K/32] twice and uint8 [N, K] in 0..15;
-    each value is d * q + m (Q4_0: m = -8 d, exact in float16)."""
+    each value is d * q + m (Q4_0: m = -8 d, exact in float16). `heads`: un-permute Llama's q/k rows (as the
+    values)."""
     rows = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1)
     q4_1 = tensor.tensor_type.name == "Q4_1"
     block_bytes = 20 if q4_1 else 18
@@ -209,7 +322,8 @@ def q4_blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if q4_1 else (-8 * d.astype(np.float32)).astype(np.float16)
     packed = blocks[..., 4:20] if q4_1 else blocks[..., 2:18]
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # value i in the low nibble of byte i, i + 16 high
-    return d, m, q.reshape(rows.shape[0], -1)
+    result = (d, m, q.reshape(rows.shape[0], -1))
+    return result if heads is None else tuple(unpermute_rotary(b, heads) for b in result)
 
 
 def load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> None:
@@ -218,7 +332,7 @@ def load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> Non
     # freed blocks), where later allocations would inherit the advice.
     previous = _set_numpy_huge_pages(False)
     try:
-        _load_gguf_weights(model, gguf_path, hf_config)
+        _load_gguf_weights(model, GGUFModel(gguf_path), hf_config)
     finally:
         _set_numpy_huge_pages(previous)
 
@@ -229,38 +343,61 @@ def _set_numpy_huge_pages(enabled: bool) -> bool:
     return setter(enabled) if setter is not None else enabled
 
 
-def _load_gguf_weights(model: torch.nn.Module, gguf_path: Path, hf_config) -> None:
-    from gguf import dequantize
-
+def _load_gguf_weights(model: torch.nn.Module, gguf: GGUFModel, hf_config) -> None:
     from nanoinfer.models.weights.loading import WeightLoading
 
-    architecture(open_gguf(gguf_path), gguf_path)
     loading = WeightLoading(model)
-    unpermute_qk = getattr(model, "gguf_unpermute_qk", False)
-    tensors = [t for shard in shards(gguf_path) for t in open_gguf(shard).tensors]
-    for tensor in tensors:
+    layer_names = {**_LAYER_NAMES, **getattr(model, "gguf_tensor_names", {})}
+    for tensor in gguf.tensors:
+        if tensor.name.rpartition(".")[0] in CONFIG_TENSORS:
+            continue  # already in config.json
         kind = tensor.tensor_type.name
         if kind not in TENSOR_TYPES:
-            raise ModelLoadError(f"{gguf_path}: tensor {tensor.name} is of type {kind}, which nanoinfer does not "
+            raise ModelLoadError(f"{gguf.path}: tensor {tensor.name} is of type {kind}, which nanoinfer does not "
                                  f"load; it loads {', '.join(TENSOR_TYPES)}. Use a file quantized to one of them.")
-        name = hf_name(tensor.name)
-        found = loading.target(name)
-        if found is None:
-            continue
-        target, shard_id = found
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        heads = None
-        if unpermute_qk and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = hf_config.num_attention_heads if "attn_q" in tensor.name else hf_config.num_key_value_heads
-            values = unpermute_rotary(values, heads)
-        weight = torch.from_numpy(np.require(values, requirements=["C", "W"]))  # an F32 tensor is a read-only map
-        loading.copy(name, target, shard_id, weight)
-        if kind in BLOCK_TYPES and name.endswith("proj.weight"):
-            blocks = q4_blocks(tensor)
-            if heads is not None:  # the same rows, in the same order as the values
-                blocks = tuple(unpermute_rotary(b, heads) for b in blocks)
-            _keep_blocks(model, target, shard_id, blocks)
-    loading.finish(gguf_path)
+        _load_tensor(model, loading, tensor, hf_name(tensor.name, layer_names), hf_config)
+    loading.finish(gguf.path)
+
+
+def _load_tensor(model: torch.nn.Module, loading, tensor, name: str, hf_config) -> None:
+    """One GGUF tensor through the family's sanitize (which may rename it or split its rows, as Phi-3's fused
+    projections) into the parameters it fills; its 4-bit blocks, split the same way, to their linears."""
+    sanitize = getattr(model, "sanitize", None) or (lambda name, fn: [(name, fn)])
+    heads = _rotary_heads(model, tensor.name, hf_config)
+    values = functools.cache(lambda: torch.from_numpy(_float_values(model, tensor, heads)))  # read once, if kept
+    parts = [(part, loading.target(part), fn) for part, fn in sanitize(name, values)]
+    for part, found, fn in parts:
+        if found is not None:
+            loading.copy(part, *found, fn())
+    if tensor.tensor_type.name in BLOCK_TYPES and name.endswith("proj.weight"):
+        # sanitize selects rows, and a row's blocks are a row too: the same parts of d, m and q
+        blocks = [sanitize(name, lambda b=b: torch.from_numpy(b)) for b in q4_blocks(tensor, heads)]
+        for (_, found, _), *block_parts in zip(parts, *blocks, strict=True):
+            if found is not None:
+                _keep_blocks(model, *found, tuple(fn() for _, fn in block_parts))
+
+
+def _rotary_heads(model: torch.nn.Module, gguf_name: str, hf_config) -> int | None:
+    """The heads of a q/k projection whose rows llama.cpp interleaved (gguf_unpermute_qk), else None."""
+    if not getattr(model, "gguf_unpermute_qk", False):
+        return None
+    if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        return hf_config.num_attention_heads
+    if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        return hf_config.num_key_value_heads
+    return None
+
+
+def _float_values(model: torch.nn.Module, tensor, heads: int | None) -> np.ndarray:
+    from gguf import dequantize
+
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    offset = getattr(model, "gguf_norm_offset", 0.0)
+    if offset and tensor.name.endswith("norm.weight"):
+        values = values - np.float32(offset)  # exact for the (1 + w) >= 0.5 of real norms
+    if heads is not None:
+        values = unpermute_rotary(values, heads)
+    return np.require(values, requirements=["C", "W"])  # an F32 tensor is a read-only map
 
 
 def _keep_blocks(model: torch.nn.Module, target: str, shard_id, blocks) -> None:
@@ -273,4 +410,4 @@ def _keep_blocks(model: torch.nn.Module, target: str, shard_id, blocks) -> None:
     offset = sum(getattr(module, "output_sizes", [0])[:index])
     if getattr(module, "q4_blocks", None) is None:
         module.q4_blocks = {}
-    module.q4_blocks[offset] = tuple(torch.from_numpy(np.ascontiguousarray(b)) for b in blocks)
+    module.q4_blocks[offset] = tuple(b.contiguous() for b in blocks)
