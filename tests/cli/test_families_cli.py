@@ -1,0 +1,34 @@
+"""check-config and plan-memory on every model family's tiny folder: the config is accepted, and plan-memory's
+KV bytes a token are what the engine allocates (every layer that owns a cache, each of its own shape)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nanoinfer.cli import app
+from nanoinfer.testing.tiny_models import TINY_FAMILIES, build_tiny_model
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_check_config_and_plan_memory_take_every_family(tmp_path, family):
+    folder = build_tiny_model(family, tmp_path / family)
+    checked = runner.invoke(app, ["check-config", "--model", str(folder), "--device", "cpu"])
+    assert checked.exit_code == 0, checked.output
+    planned = runner.invoke(app, ["plan-memory", "--model", str(folder), "--gpu", "H100", "--dtype", "float32",
+                                  "--json"])  # fmt: skip
+    assert planned.exit_code == 0, planned.output
+    report = json.loads(planned.stdout)
+    assert report["fits"]
+
+    from nanoinfer import LLM
+
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=256, cpu_kvcache_space_gib=0.05)
+    runner_ = llm.engine.model_runner
+    allocated = {id(k): k for k, _ in runner_.kv_caches}.values()  # a shared cache counted once
+    bytes_per_token = sum(2 * k.shape[2] * k.shape[3] * k.element_size() for k in allocated)
+    assert report["kv_bytes_per_token"] == bytes_per_token
