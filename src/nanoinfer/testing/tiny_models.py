@@ -1,5 +1,5 @@
-"""Tiny random-weight Qwen3 / Qwen2 / Llama models, built with transformers' own classes and saved as
-normal Hugging Face folders (config.json, model.safetensors, a real BPE tokenizer with a chat template).
+"""Tiny random-weight models of every supported family (TINY_FAMILIES), built with transformers' own classes and
+saved as normal Hugging Face folders (config.json, model.safetensors, a real BPE tokenizer with a chat template).
 No download: the tokenizer is trained here on a small built-in corpus. Fast enough for every engine test.
 """
 
