@@ -200,7 +200,7 @@ def probe(device: str, dtype: str) -> tuple[float, float]:
     flops = 2 * n**3 / timed(lambda: torch.mm(a, a), 3)
     if device == "cpu":
         # The same product through the platform's linear method (nanoinfer's packed GEMM where it is built): on
-        # some CPUs (AMD Zen 5 with AVX-512) it runs faster than torch.mm, whose rate would then put the floor
+        # some CPUs (an AMD Zen 5 EPYC) it runs twice as fast as torch.mm, whose rate would then put the floor
         # above what the model's own steps achieve.
         flops = max(flops, 2 * n**3 / timed(_platform_linear(a), 3))
     return bandwidth, flops
