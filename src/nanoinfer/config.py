@@ -293,8 +293,10 @@ class Config:
         kv_dtype = self.kv_cache_dtype if self.kv_cache_dtype in KV_CACHE_DTYPES[1:] else self.dtype
         spec = self.model_spec
         max_head_dim = max((layer.head_dim for layer in spec.layers), default=None) if spec is not None else None
+        head_dims = tuple({layer.head_dim for layer in spec.layers}) if spec is not None else ()
         try:
-            backend, why = select_backend(self.attention_backend, self.device, self.dtype, kv_dtype, max_head_dim)
+            backend, why = select_backend(self.attention_backend, self.device, self.dtype, kv_dtype, max_head_dim,
+                                          head_dims)  # fmt: skip
         except ConfigError as e:
             return list(e.problems)
         if self.attention_backend == "auto":

@@ -208,7 +208,6 @@ def probe(device: str, dtype: str) -> tuple[float, float]:
 
 def _platform_linear(weight):
     """x -> x weight^T through the current platform's linear method, with the weight packed as a model's is."""
-    import torch
     from torch import nn
 
     from nanoinfer.platforms import current_platform

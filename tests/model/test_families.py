@@ -16,6 +16,7 @@ from nanoinfer.testing.tiny_models import build_tiny_model
 # Families whose tiny model this file checks (nanoinfer.testing.tiny_models.TINY_FAMILIES).
 FAMILIES = [
     "mistral",
+    "qwen3_window",
     "gemma",
     "gemma2",
     "gemma3",

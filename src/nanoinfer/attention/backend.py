@@ -48,11 +48,12 @@ FLASH_ATTN_MAX_HEAD_DIM = 256
 
 
 def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str | None = None,
-                   max_head_dim: int | None = None) -> tuple[str, str]:  # fmt: skip
+                   max_head_dim: int | None = None, head_dims: tuple[int, ...] = ()) -> tuple[str, str]:  # fmt: skip
     """The one rule: (backend name, why) for `attention_backend: requested` on this device and dtype.
 
     auto -> flash-attn (CUDA, package installed, fp16/bf16, cache in the model's dtype, every head at most 256
-    wide: max_head_dim, the model's widest) > triton (CUDA, package installed) > torch.
+    wide: max_head_dim, the model's widest) > triton (CUDA, package installed, every head size in head_dims a
+    power of two from 16: Phi-3-mini's 96 is not) > torch.
     A forced name that cannot run here is a ConfigError naming the fix. Config calls this while resolving,
     so the engine only ever sees a name that runs; the platform builds the backend (Platform.attention_backend)."""
 
@@ -62,11 +63,14 @@ def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str 
     half = dtype in ("bfloat16", "float16")
     same_cache = kv_cache_dtype in (None, "auto", dtype)  # flash-attn reads the cache in the query's dtype
     heads_fit = max_head_dim is None or max_head_dim <= FLASH_ATTN_MAX_HEAD_DIM
+    odd_heads = sorted({d for d in head_dims if d < 16 or d & (d - 1)})  # what the Triton kernels cannot tile
     if requested == "auto":
         if device == "cuda" and flash_attn_available() and half and same_cache and heads_fit:
             return "flash-attn", "CUDA, flash-attn installed"
-        if device == "cuda" and triton_available():
+        if device == "cuda" and triton_available() and not odd_heads:
             return "triton", "CUDA" + ("" if half else f", {dtype}")
+        if device == "cuda" and odd_heads:
+            return "torch", f"CUDA, head size {odd_heads[0]} (the Triton kernels take powers of two)"
         return "torch", device
     if requested in ("triton", "flash-attn") and device != "cuda":
         raise problem(f"runs only on CUDA but device is {device}. Use attention_backend: torch (or auto).")
@@ -92,4 +96,9 @@ def select_backend(requested: str, device: str, dtype: str, kv_cache_dtype: str 
         )
     if requested == "triton" and not triton_available():
         raise problem("needs the triton package. Install triton, or use torch (or auto).")
+    if requested == "triton" and odd_heads:
+        raise problem(
+            f"tiles heads whose size is a power of two from 16, but this model's heads have {odd_heads[0]} features. "
+            "Use attention_backend: flash-attn (bfloat16 / float16) or torch (or auto)."
+        )
     return requested, "set"

@@ -70,6 +70,8 @@ def read_config_json(model_dir: str | Path) -> HFConfig | None:
     model_type = raw.get("model_type")
     if model_type not in _DEFAULTS or any(not _is_int(raw.get(key)) for key in _REQUIRED):
         return None
+    if raw.get("use_sliding_window") or any(kind != "full_attention" for kind in raw.get("layer_types") or []):
+        return None  # per-layer windows: transformers derives layer_types (Qwen2 / Qwen3 with use_sliding_window)
     rope_theta = _plain_rope_theta(raw)
     if rope_theta is None:
         return None

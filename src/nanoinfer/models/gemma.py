@@ -16,7 +16,7 @@ from nanoinfer.models.llama import LlamaForCausalLM, head_dim_of
 class GemmaForCausalLM(LlamaForCausalLM):
     fused_decode_shape = None  # csrc/decode_layers.cpp runs SiLU layers without an embedding scale
     gguf_unpermute_qk = False  # llama.cpp's converter keeps Gemma's q/k rows in HF's order
-    # llama.cpp's Gemma converters (1, 2 and 3) store every norm weight as 1 + w; GemmaRMSNorm's loader adds the 1
+    # llama.cpp's Gemma converters (1, 2 and 3) store every norm weight as 1 + w: the loader takes the 1 off
     gguf_norm_offset = 1.0
     norm_class = GemmaRMSNorm
 

@@ -16,9 +16,7 @@ class Olmo2RMSNorm(GemmaRMSNorm):
     """OLMo's RMSNorm scales by w in float32 and rounds once (Llama's rounds, then scales): GemmaRMSNorm's
     arithmetic on the checkpoint's plain w. In float32 both are the platform's plain op."""
 
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__(hidden_size, eps)
-        del self.weight.weight_loader  # w as stored (Gemma's loader would store 1 + w)
+    weight_offset = 0.0  # w as the checkpoint holds it
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

@@ -4,6 +4,7 @@ modeling_qwen3.py is the spec."""
 from __future__ import annotations
 
 from nanoinfer.models.llama import LlamaForCausalLM, head_dim_of
+from nanoinfer.models.qwen2 import qwen_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -12,4 +13,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def attention_options(self, hf_config, layer_idx: int) -> dict:
         head_dim = head_dim_of(hf_config)
         return dict(super().attention_options(hf_config, layer_idx), q_norm=self.norm(hf_config, head_dim),
-                    k_norm=self.norm(hf_config, head_dim))  # fmt: skip
+                    k_norm=self.norm(hf_config, head_dim),
+                    sliding_window=qwen_sliding_window(hf_config, layer_idx))  # fmt: skip

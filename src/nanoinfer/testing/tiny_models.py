@@ -105,6 +105,9 @@ TINY_FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _no_options, True),
     "llama": ("LlamaConfig", "LlamaForCausalLM", lambda n: dict(rope_theta=100000.0), False),
     "mistral": ("MistralConfig", "MistralForCausalLM", lambda n: dict(sliding_window=24), False),
+    # Qwen3 with use_sliding_window (off in published checkpoints): windows on layers from max_window_layers on
+    "qwen3_window": ("Qwen3Config", "Qwen3ForCausalLM",
+                     lambda n: dict(use_sliding_window=True, sliding_window=24, max_window_layers=1), False),
     # Gemma 1: MQA (gemma-2b) and a head_dim other than hidden_size / heads (gemma-7b)
     "gemma": ("GemmaConfig", "GemmaForCausalLM", lambda n: dict(num_key_value_heads=1, head_dim=32), True),
     # soft caps of 1.5 (attention) and 3 (final) bite on the tiny model's scores (up to ~3) and logits (~2.6 max)

@@ -26,25 +26,32 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """x / rms(x) * (1 + w), all in float32, rounded once (Gemma 1-4). The parameter holds 1 + w."""
+    """x / rms(x) * (weight_offset + w), the scale computed in float32 and the result rounded once, as transformers'
+    Gemma 1-3 (offset 1) and OLMo 2 (offset 0) do. The parameter holds w as the checkpoint does (a bfloat16 1 + w
+    would be rounded); the float32 scale is kept beside it, and in float32 the platform's op runs on it."""
+
+    weight_offset = 1.0
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__(hidden_size, eps)
-        self.weight.weight_loader = self._load_plus_one
+        self._scale: tuple[tuple, torch.Tensor] | None = None  # (the weight's identity, offset + w in float32)
 
-    @staticmethod
-    def _load_plus_one(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded.float() + 1.0)  # in float32, as transformers adds it
+    def scale(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w.dtype, w.device, w._version)  # a new load or .to() makes a new scale
+        if self._scale is None or self._scale[0] != key:
+            self._scale = (key, w.detach().float() + self.weight_offset)
+        return self._scale[1]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.dtype == torch.float32:
-            return self.platform.rms_norm(x, self.weight, self.eps, residual)
+            return self.platform.rms_norm(x, self.scale(), self.eps, residual)
         if residual is not None:  # half precision: scale in float32 before rounding, as transformers does
             x = x + residual
             residual = x
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (h * self.weight.float()).to(x.dtype)
+        out = (h * self.scale()).to(x.dtype)
         return out if residual is None else (out, residual)
 
 

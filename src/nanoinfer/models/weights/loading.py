@@ -41,8 +41,9 @@ class WeightLoading:
         if "rotary_emb.inv_freq" in name:
             return None  # recomputed from the config
         target, shard_id = target_name(name, self.packed)
-        if target not in self.params:
-            self.unexpected.append(name)
+        param = self.params.get(target)
+        if param is None or (shard_id is not None and shard_id not in getattr(param, "shard_ids", (shard_id,))):
+            self.unexpected.append(name)  # not in the model, or a shard its layer does not hold (Gemma 4's k = v)
             return None
         return target, shard_id
 

@@ -59,7 +59,9 @@ class CudaPlatform(Platform):
 
     def rotary_embedding(self, positions, q, k, cos, sin):
         ops = self._fused_ops(q)
-        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.device == q.device:
+        half = q.shape[-1] // 2  # the Triton kernel tiles half a head: a power of two (Phi-3-mini's 48 is not)
+        if (ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.device == q.device
+                and half & (half - 1) == 0):  # fmt: skip
             return ops.rotary_embedding(positions, q, k, cos, sin)
         return super().rotary_embedding(positions, q, k, cos, sin)
 
