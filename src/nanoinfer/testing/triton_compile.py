@@ -149,6 +149,10 @@ def _cases() -> dict[str, Callable[[], None]]:
         "attention bf16, sliding window and soft cap": attention(torch.bfloat16, torch.bfloat16,
                                                                  mask=dict(sliding_window=512, soft_cap=50.0)),
         "attention bf16, sliding window": attention(torch.bfloat16, torch.bfloat16, mask=dict(sliding_window=512)),
+        "attention bf16 head_dim 256 (Gemma), sliding window": attention(torch.bfloat16, torch.bfloat16, head_dim=256,
+                                                                          group=4, mask=dict(sliding_window=512)),
+        "attention bf16 head_dim 512 (Gemma 4's global layers)": attention(torch.bfloat16, torch.bfloat16,
+                                                                            head_dim=512, group=8),
         "small ops bf16": small_ops(torch.bfloat16),
         "small ops fp16": small_ops(torch.float16),
     }
