@@ -184,7 +184,7 @@ def valid_tensor_parallel_sizes(spec: ModelSpec, candidates=(1, 2, 4, 8)) -> lis
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, tensor_parallel_size: int, dtype: torch.dtype | str) -> int:
     """Bytes of one KV block on one rank: K and V for every layer (each of its own KV heads and head size),
-    block_size tokens, this rank's KV heads (replicated when ranks outnumber them, as vLLM)."""
+    block_size tokens, this rank's share of the KV heads."""
     check_tensor_parallel_size(spec, tensor_parallel_size)
     return block_size * spec.kv_elements_per_token(tensor_parallel_size) * dtype_bytes(dtype)
 

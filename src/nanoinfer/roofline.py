@@ -47,7 +47,6 @@ class ModelShape:
         if weights_bytes is None:
             read = spec.layer_params + spec.final_norm_params + spec.vocab_size * spec.hidden_size  # LM head
             weights_bytes = read * memory.dtype_bytes(dtype)
-        # Ranks replicate KV heads when there are more ranks than heads: each rank stores and reads its copy.
         kv_bytes = tensor_parallel_size * memory.kv_block_bytes(spec, 1, tensor_parallel_size, kv_cache_dtype)
         return cls(
             attention_width=sum(layer.num_heads * layer.head_dim for layer in spec.layers),

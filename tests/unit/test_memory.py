@@ -69,10 +69,12 @@ def test_kv_block_bytes_matches_hand_computation():
     assert kv_block_bytes(spec_of(QWEN3_06B), 512, 2, "bf16") == 29_360_128  # twice the tokens, half the heads
 
 
-def test_kv_heads_are_replicated_when_ranks_outnumber_them():
+def test_more_ranks_than_kv_heads_is_refused_as_the_engine_refuses_it():
     cfg = dict(QWEN3_06B, num_key_value_heads=2)
-    # 8 ranks, 2 KV heads: each rank keeps one (replicated) head, as vLLM does.
-    assert kv_block_bytes(spec_of(cfg), 256, 8, "bf16") == 2 * 28 * 256 * 1 * 128 * 2
+    # 8 ranks, 2 KV heads: the engine shards KV heads and does not replicate them, so planning must not offer it.
+    assert memory.valid_tensor_parallel_sizes(spec_of(cfg)) == [1, 2]
+    with pytest.raises(NanoInferError, match=r"tensor_parallel_size 8 does not split"):
+        kv_block_bytes(spec_of(cfg), 256, 8, "bf16")
 
 
 def test_tensor_parallel_size_that_does_not_split_heads_is_refused():

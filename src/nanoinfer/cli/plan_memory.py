@@ -294,7 +294,7 @@ def _kv_layer_groups(spec, tp: int, kv_cache_dtype: str) -> list[dict]:
     return [
         {"attention": "global" if window is None else f"sliding window {window}",
          "kv_heads": kv_heads, "head_dim": head_dim, "num_layers": count,
-         "kv_bytes_per_token_per_layer": 2 * max(1, kv_heads // tp) * head_dim * size}
+         "kv_bytes_per_token_per_layer": 2 * (kv_heads // tp) * head_dim * size}
         for (window, kv_heads, head_dim), count in groups.items()
     ]  # fmt: skip
 

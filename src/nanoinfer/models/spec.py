@@ -1,6 +1,6 @@
-"""ModelSpec: what the engine, memory planning, plan-memory and the roofline read of a model, from the model's own
-family (models/<family>.py, `spec(hf_config)`): the attention shape of every layer and the parameter counts.
-No torch, no transformers: memory.py and roofline.py read it without building a model.
+"""ModelSpec: what the engine, memory planning, plan-memory and the roofline read of a model: the attention shape of
+every layer and the parameter counts, read off the family's model itself (registry.model_spec builds it on the meta
+device, CausalLM.describe reads it). No torch here: memory.py and roofline.py take it as plain data.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class AttentionLayerSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    sliding_window: int | None = None  # keys at most this many positions back (None: the whole context)
+    sliding_window: int | None = None  # a query sees this many positions, its own included (None: the whole context)
     # The earlier layer whose cache this one reads (Gemma 4's KV sharing): it stores nothing and owns no cache.
     kv_shared_from: int | None = None
 
@@ -44,17 +44,17 @@ class ModelSpec:
 
     def kv_elements_per_token(self, tensor_parallel_size: int = 1) -> int:
         """K and V elements one token takes in one rank's cache, every layer that owns one (not those reading an
-        earlier layer's). With more ranks than KV heads each rank holds one replicated head (as vLLM)."""
+        earlier layer's); each rank holds its share of the KV heads (check_tensor_parallel)."""
         tp = tensor_parallel_size
-        return sum(2 * max(1, layer.num_kv_heads // tp) * layer.head_dim for layer in self.layers
+        return sum(2 * (layer.num_kv_heads // tp) * layer.head_dim for layer in self.layers
                    if layer.kv_shared_from is None)  # fmt: skip
 
     def check_tensor_parallel(self, tensor_parallel_size: int) -> bool:
-        """Heads must split evenly over ranks; KV heads must split evenly or be replicated evenly, in every layer."""
+        """Query and KV heads must split evenly over ranks in every layer, as the engine shards them (it does not
+        replicate KV heads), and the family must shard at all."""
         tp = tensor_parallel_size
         if tp > 1 and not self.supports_tensor_parallel:
             return False
         return tp >= 1 and all(
-            layer.num_heads % tp == 0 and (layer.num_kv_heads % tp == 0 or tp % layer.num_kv_heads == 0)
-            for layer in self.layers
+            layer.num_heads % tp == 0 and layer.num_kv_heads % tp == 0 for layer in self.layers
         )

@@ -259,10 +259,10 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
         }
         if (soft_cap > 0.f)  // cap * tanh(score / cap), on the scaled score, as transformers applies it
           for (int j = lo; j < valid; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
-        std::fill(sr, sr + lo, -INFINITY);
-        const float mx = max_of(sr, valid, m[r]);
+        std::fill(sr, sr + lo, 0.f);  // keys before the window: exactly 0 (exp8 clamps, exp(-inf) would not be)
+        const float mx = max_of(sr + lo, valid - lo, m[r]);
         const float alpha = std::exp(m[r] - mx);  // 0 on the first tile (m = -inf)
-        l[r] = l[r] * alpha + exp_shifted(sr, valid, seen, mx);
+        l[r] = l[r] * alpha + exp_shifted(sr + lo, valid - lo, seen - lo, mx);
         m[r] = mx;
         if (alpha != 1.f)
           for (int d = 0; d < D; ++d) O[(size_t)r * D + d] *= alpha;
