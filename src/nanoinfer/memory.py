@@ -169,6 +169,9 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 def check_tensor_parallel_size(spec: ModelSpec, tensor_parallel_size: int) -> None:
     """A NanoInferError naming the sizes that work when tensor_parallel_size does not split every layer's heads."""
+    if tensor_parallel_size > 1 and not spec.supports_tensor_parallel:
+        raise NanoInferError(f"tensor_parallel_size {tensor_parallel_size}: nanoinfer runs {spec.architecture} on one "
+                             "rank only (its layers are not sharded). Use tensor_parallel_size 1.")
     if not spec.check_tensor_parallel(tensor_parallel_size):
         heads = sorted({(layer.num_heads, layer.num_kv_heads) for layer in spec.layers})
         described = ", ".join(f"{h} attention heads and {kv} KV heads" for h, kv in heads)

@@ -140,7 +140,9 @@ def _check(values: dict, spec) -> None:
     elif not spec.check_tensor_parallel(tp):
         sizes = memory.valid_tensor_parallel_sizes(spec, range(1, 9))
         need(
-            "tensor_parallel_size", False, f"does not split this model's attention heads; use one of {sizes}."
+            "tensor_parallel_size", False,
+            f"does not split this model's attention heads; use one of {sizes}." if spec.supports_tensor_parallel
+            else f"must be 1: nanoinfer runs {spec.architecture} on one rank only (its layers are not sharded).",
         )
     need("dtype", values["dtype"] in DTYPES[1:], f"must be one of {', '.join(DTYPES)}.")
     kv_cache_dtype = values["kv_cache_dtype"]
