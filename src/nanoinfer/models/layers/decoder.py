@@ -44,34 +44,26 @@ class PreNormDecoderLayer(nn.Module):
             residual = residual[output_rows]
             if output_rows.numel() == 0:
                 return hidden_states, residual
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.feed_forward(hidden_states, residual)
+
+    def feed_forward(self, attended, residual):
+        """(hidden, residual) after attention's output `attended` joins the residual stream and the MLP runs."""
+        hidden_states, residual = self.post_attention_layernorm(attended, residual)
         return self.mlp(hidden_states), residual
 
 
-class SandwichNormDecoderLayer(nn.Module):
+class SandwichNormDecoderLayer(PreNormDecoderLayer):
+    """The pre-norm layer with attention's output and the MLP's normed before they join the stream."""
+
     def __init__(self, self_attn: Attention, mlp: nn.Module, input_layernorm: nn.Module,
                  post_attention_layernorm: nn.Module, pre_feedforward_layernorm: nn.Module,
                  post_feedforward_layernorm: nn.Module):  # fmt: skip
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.input_layernorm = input_layernorm
-        self.post_attention_layernorm = post_attention_layernorm
+        super().__init__(self_attn, mlp, input_layernorm, post_attention_layernorm)
         self.pre_feedforward_layernorm = pre_feedforward_layernorm
         self.post_feedforward_layernorm = post_feedforward_layernorm
 
-    def forward(self, positions, hidden_states, residual, kv_cache, metadata, output_rows=None):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, metadata, output_rows)
-        if output_rows is not None:
-            residual = residual[output_rows]
-            if output_rows.numel() == 0:
-                return hidden_states, residual
-        hidden_states = self.post_attention_layernorm(hidden_states)
+    def feed_forward(self, attended, residual):
+        hidden_states = self.post_attention_layernorm(attended)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
