@@ -286,18 +286,16 @@ def build_report(s: dict, device: dict) -> dict:
 def _kv_layer_groups(spec, tp: int, kv_cache_dtype: str) -> list[dict]:
     """KV bytes a token takes per layer on one rank, by kind of layer (global or a sliding window, KV heads x head
     size): where a model's layers differ (Gemma 2-4, OLMo 3), each group's share of the cache."""
-    groups: dict[tuple, int] = {}
+    groups: dict[tuple, list] = {}
     for layer in spec.layers:
-        if getattr(layer, "kv_shared_from", None) is not None:
-            continue  # reads another layer's cache: no bytes of its own
-        key = (layer.sliding_window, layer.num_kv_heads, layer.head_dim)
-        groups[key] = groups.get(key, 0) + 1
+        if layer.kv_shared_from is None:  # a layer reading another's cache has no bytes of its own
+            groups.setdefault((layer.sliding_window, layer.num_kv_heads, layer.head_dim), []).append(layer)
     size = memory.dtype_bytes(kv_cache_dtype)
     return [
         {"attention": "global" if window is None else f"sliding window {window}",
-         "kv_heads": kv_heads, "head_dim": head_dim, "num_layers": count,
-         "kv_bytes_per_token_per_layer": 2 * (kv_heads // tp) * head_dim * size}
-        for (window, kv_heads, head_dim), count in groups.items()
+         "kv_heads": kv_heads, "head_dim": head_dim, "num_layers": len(layers),
+         "kv_bytes_per_token_per_layer": layers[0].kv_elements_per_token(tp) * size}
+        for (window, kv_heads, head_dim), layers in groups.items()
     ]  # fmt: skip
 
 

@@ -19,6 +19,12 @@ class AttentionLayerSpec:
     # The earlier layer whose cache this one reads (Gemma 4's KV sharing): it stores nothing and owns no cache.
     kv_shared_from: int | None = None
 
+    def kv_elements_per_token(self, tensor_parallel_size: int = 1) -> int:
+        """K and V elements one token takes in this layer's cache on one rank (0 when it reads another's)."""
+        if self.kv_shared_from is not None:
+            return 0
+        return 2 * (self.num_kv_heads // tensor_parallel_size) * self.head_dim
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -45,9 +51,7 @@ class ModelSpec:
     def kv_elements_per_token(self, tensor_parallel_size: int = 1) -> int:
         """K and V elements one token takes in one rank's cache, every layer that owns one (not those reading an
         earlier layer's); each rank holds its share of the KV heads (check_tensor_parallel)."""
-        tp = tensor_parallel_size
-        return sum(2 * (layer.num_kv_heads // tp) * layer.head_dim for layer in self.layers
-                   if layer.kv_shared_from is None)  # fmt: skip
+        return sum(layer.kv_elements_per_token(tensor_parallel_size) for layer in self.layers)
 
     def check_tensor_parallel(self, tensor_parallel_size: int) -> bool:
         """Query and KV heads must split evenly over ranks in every layer, as the engine shards them (it does not
