@@ -482,27 +482,9 @@ def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
     """Checks against the loaded hf_config: a supported architecture (the registry's), whose family reads the
     config (c.model_spec), with every layer's heads divisible by tensor_parallel_size (and 1 for a family that
     runs on one rank only: supports_tensor_parallel False)."""
-    architecture = registry.architecture_of(c.hf_config)
-    if architecture is None:
-        return [
-            ConfigProblem(
-                "model",
-                c.model,
-                f"its architecture ({registry.describe_unsupported(c.hf_config)}) is not supported. nanoinfer runs "
-                f"{', '.join(registry.supported_architectures())}; use a model of one of these architectures.",
-            )
-        ]
-    try:
-        c.model_spec = registry.model_spec(c.hf_config)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        return [
-            ConfigProblem(
-                "model",
-                c.model,
-                f"its config.json does not describe a {architecture} that nanoinfer can build ({type(e).__name__}: "
-                f"{e}). Check the config against the model's original one.",
-            )
-        ]
+    c.model_spec, problem = registry.checked_model_spec(c.hf_config)
+    if problem is not None:
+        return [ConfigProblem("model", c.model, problem)]
     tp = c.tensor_parallel_size
     if "tensor_parallel_size" in bad or not 1 <= tp <= 8:
         return []
@@ -511,7 +493,7 @@ def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
             ConfigProblem(
                 "tensor_parallel_size",
                 tp,
-                f"must be 1 for {architecture}: nanoinfer does not shard this family's layers. Use "
+                f"must be 1 for {c.model_spec.architecture}: nanoinfer does not shard this family's layers. Use "
                 "tensor_parallel_size: 1.",
             )
         ]

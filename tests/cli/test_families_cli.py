@@ -32,3 +32,13 @@ def test_check_config_and_plan_memory_take_every_family(tmp_path, family):
     allocated = {id(k): k for k, _ in runner_.kv_caches}.values()  # a shared cache counted once
     bytes_per_token = sum(2 * k.shape[2] * k.shape[3] * k.element_size() for k in allocated)
     assert report["kv_bytes_per_token"] == bytes_per_token
+
+
+def test_a_family_that_runs_on_one_rank_is_refused_more_ranks_by_name(tmp_path):
+    folder = build_tiny_model("gemma4", tmp_path / "gemma4")
+    checked = runner.invoke(app, ["check-config", "--model", str(folder), "--device", "cpu", "--tp", "2"])
+    assert checked.exit_code == 2
+    assert "must be 1 for Gemma4ForCausalLM" in checked.output
+    planned = runner.invoke(app, ["plan-memory", "--model", str(folder), "--gpu", "H100", "--tp", "2"])
+    assert planned.exit_code == 2
+    assert "runs Gemma4ForCausalLM on one rank only" in planned.output

@@ -115,16 +115,10 @@ def _model_spec(hf_config, model_dir: Path):
     """The model family's ModelSpec (the registry's), or the error Config would give for this folder."""
     from nanoinfer.models import registry
 
-    if registry.architecture_of(hf_config) is None:
-        raise ModelLoadError(
-            f"{model_dir}: its architecture ({registry.describe_unsupported(hf_config)}) is not supported. nanoinfer "
-            f"runs {', '.join(registry.supported_architectures())}."
-        )
-    try:
-        return registry.model_spec(hf_config)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{model_dir}: its config.json does not describe a model nanoinfer can build "
-                             f"({type(e).__name__}: {e}).") from None
+    spec, problem = registry.checked_model_spec(hf_config)
+    if problem is not None:
+        raise ModelLoadError(f"{model_dir}: {problem}")
+    return spec
 
 
 def _check(values: dict, spec) -> None:

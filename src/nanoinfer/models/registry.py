@@ -103,3 +103,17 @@ def model_spec(hf_config):
     with plain_platform(), torch.device("meta"):
         model = model_class(architecture)(hf_config, None, max_position=1)
     return model.describe(architecture)
+
+
+def checked_model_spec(hf_config):
+    """(ModelSpec, None) for a config nanoinfer runs, else (None, what is wrong and what to do), for Config and
+    plan-memory to report: an architecture the registry lacks, or a config its family cannot build from."""
+    architecture = architecture_of(hf_config)
+    if architecture is None:
+        return None, (f"its architecture ({describe_unsupported(hf_config)}) is not supported. nanoinfer runs "
+                      f"{', '.join(supported_architectures())}; use a model of one of these architectures.")
+    try:
+        return model_spec(hf_config), None
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        return None, (f"its config.json does not describe a {architecture} that nanoinfer can build "
+                      f"({type(e).__name__}: {e}). Check the config against the model's original one.")
