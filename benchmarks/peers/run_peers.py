@@ -690,21 +690,14 @@ def _ov_ttft(results) -> float | None:
 
 def ensure_openvino_ir(model_dir: Path, export_python: str | None) -> Path:
     """The model exported once to OpenVINO IR with fp32 weights, cached under <nanoinfer cache>/peers/openvino."""
-    # nanoinfer's build marker (or the config) names the weights: a rebuilt default model gets a new export.
-    marker = model_dir / ".nanoinfer-complete.json"
-    key = hashlib.sha256((marker if marker.is_file() else model_dir / "config.json").read_bytes()).hexdigest()[:12]
-    target = _peers_cache() / "openvino" / f"{model_dir.name}-fp32-{key}"
-    if (target / ".complete").is_file():
-        return target
     python = export_python or sys.executable
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-export-"))
-    # fp32 so that both variants start from the model nanoinfer runs; optimum would otherwise choose the
-    # format by size. --task: a decoder with KV cache, which ContinuousBatchingPipeline turns into paged attention.
-    cmd = [python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(model_dir),
-           "--task", "text-generation-with-past", "--weight-format", "fp32", str(tmp)]  # fmt: skip
-    print(f"exporting {model_dir} to OpenVINO IR once: {shlex.join(cmd)}", flush=True)
-    try:
+
+    def export(tmp: Path) -> dict:
+        # fp32 so that both variants start from the model nanoinfer runs; optimum would otherwise choose the
+        # format by size. --task: a decoder with KV cache, which ContinuousBatchingPipeline turns into paged attention.
+        cmd = [python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(model_dir),
+               "--task", "text-generation-with-past", "--weight-format", "fp32", str(tmp)]  # fmt: skip
+        print(f"exporting {model_dir} to OpenVINO IR once: {shlex.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, check=False)
         if proc.returncode != 0:
             if subprocess.run([python, "-c", "import optimum.intel"], capture_output=True).returncode != 0:
@@ -714,7 +707,27 @@ def ensure_openvino_ir(model_dir: Path, export_python: str | None) -> Path:
         if not (tmp / "openvino_tokenizer.xml").is_file():
             # ContinuousBatchingPipeline loads a tokenizer from the folder even for token-id prompts.
             raise Unavailable("the export has no openvino_tokenizer.xml: install openvino-tokenizers beside optimum")
-        (tmp / ".complete").write_text(json.dumps({"source": str(model_dir), "cmd": cmd}))
+        return {"source": str(model_dir), "cmd": cmd}
+
+    return _build_once(_peers_cache() / "openvino" / f"{model_dir.name}-fp32-{_model_key(model_dir)}", export)
+
+
+def _model_key(model_dir: Path) -> str:
+    """nanoinfer's build marker (or the config) names the weights: a rebuilt default model gets new artifacts."""
+    marker = model_dir / ".nanoinfer-complete.json"
+    return hashlib.sha256((marker if marker.is_file() else model_dir / "config.json").read_bytes()).hexdigest()[:12]
+
+
+def _build_once(target: Path, build) -> Path:
+    """`target`, built by `build(folder)` into a fresh folder beside it the first time: moved into place whole,
+    with build's record in `.complete`, so that an interrupted build is never taken for a finished one."""
+    if (target / ".complete").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-build-"))
+    try:
+        record = build(tmp)
+        (tmp / ".complete").write_text(json.dumps(record))
         tmp.chmod(0o755)  # mkdtemp made it private; the cache is as readable as nanoinfer's model folder
         if target.exists():
             shutil.rmtree(target)
@@ -892,23 +905,17 @@ def ensure_safetensors(model_dir: Path) -> Path:
     under <nanoinfer cache>/peers/safetensors."""
     if any(model_dir.glob("*.safetensors")):
         return model_dir
-    import torch
+    target = _peers_cache() / "safetensors" / f"{model_dir.name}-{_model_key(model_dir)}"
 
-    from nanoinfer.testing.hf_reference import hf_model
+    def write(tmp: Path) -> dict:
+        import torch
+        from safetensors.torch import save_file
 
-    marker = model_dir / ".nanoinfer-complete.json"
-    key = hashlib.sha256((marker if marker.is_file() else model_dir / "config.json").read_bytes()).hexdigest()[:12]
-    target = _peers_cache() / "safetensors" / f"{model_dir.name}-{key}"
-    if (target / ".complete").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    try:
+        from nanoinfer.testing.hf_reference import hf_model
+
         print(f"writing {model_dir}'s GGUF weights as float32 safetensors once, to {target}", flush=True)
         # save_pretrained refuses a model loaded from a GGUF ("quantized"): its tensors are plain float32 now, so
         # they are written as they are, with the config minus the GGUF loading state.
-        from safetensors.torch import save_file
-
         model = hf_model(model_dir, torch.float32)
         tensors = model.state_dict()
         if model.config.tie_word_embeddings:
@@ -921,14 +928,9 @@ def ensure_safetensors(model_dir: Path) -> Path:
         for path in model_dir.iterdir():  # the tokenizer, chat template and generation config as nanoinfer has them
             if path.is_file() and path.suffix != ".gguf" and not (tmp / path.name).exists():
                 shutil.copy2(path, tmp / path.name)
-        (tmp / ".complete").write_text(json.dumps({"source": str(model_dir)}))
-        tmp.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        return {"source": str(model_dir)}
+
+    return _build_once(target, write)
 
 
 def ensure_gguf(model_dir: Path) -> Path:
