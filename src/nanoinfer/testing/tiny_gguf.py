@@ -196,7 +196,9 @@ def _gemma2(writer, config: dict, rope: dict) -> None:
 
 def _gemma3(writer, config: dict, rope: dict) -> None:
     _text_model(writer, config, rope)
-    assert config.get("attn_logit_softcapping") is None  # as the converter: removed in Gemma 3
+    if config.get("attn_logit_softcapping") is not None:  # as the converter, which refuses it
+        raise ValueError("llama.cpp writes no attention soft cap for Gemma 3 (removed in Gemma 3): build the model "
+                         "without attn_logit_softcapping")
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_sliding_window(config["sliding_window"])
