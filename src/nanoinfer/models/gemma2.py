@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from nanoinfer.models.gemma import GemmaForCausalLM
+from nanoinfer.models.layers.attention import layer_sliding_window
 from nanoinfer.models.layers.decoder import SandwichNormDecoderLayer
 from nanoinfer.models.layers.mlp import GatedMLP
 
@@ -28,7 +29,7 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
     def attention_options(self, hf_config, layer_idx: int) -> dict:
         return dict(super().attention_options(hf_config, layer_idx), scale=hf_config.query_pre_attn_scalar**-0.5,
-                    sliding_window=sliding_window_of(hf_config, layer_idx),
+                    sliding_window=layer_sliding_window(hf_config, layer_idx),
                     soft_cap=getattr(hf_config, "attn_logit_softcapping", None))  # fmt: skip
 
     def build_mlp(self, hf_config, layer_idx: int) -> nn.Module:
@@ -51,9 +52,3 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
             "final_logit_softcapping": gguf.meta_float("final_logit_softcapping"),
         }
 
-
-def sliding_window_of(hf_config, layer_idx: int) -> int | None:
-    """The config's sliding_window on a "sliding_attention" layer, None (every key) on the others."""
-    if hf_config.layer_types[layer_idx] != "sliding_attention":
-        return None
-    return getattr(hf_config, "sliding_window", None)

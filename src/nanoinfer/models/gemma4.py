@@ -23,6 +23,7 @@ from torch import nn
 
 from nanoinfer.models.gemma import GemmaForCausalLM
 from nanoinfer.models.gemma3 import language_config
+from nanoinfer.models.layers.attention import layer_sliding_window
 from nanoinfer.models.layers.gemma4 import Gemma4Attention, Gemma4DecoderLayer, Gemma4Model
 from nanoinfer.models.layers.mlp import GatedMLP
 from nanoinfer.models.layers.norm import UnscaledRMSNorm
@@ -72,7 +73,7 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         return Gemma4Attention(
             hf_config.hidden_size, hf_config.num_attention_heads, num_kv_heads, head_dim, backend, rotary,
             bias=bool(getattr(hf_config, "attention_bias", False)),
-            sliding_window=hf_config.sliding_window if sliding else None,
+            sliding_window=layer_sliding_window(hf_config, layer_idx),
             k_eq_v=bool(getattr(hf_config, "attention_k_eq_v", False)) and not sliding, kv_shared_from=source,
             q_norm=self.norm(hf_config, head_dim),
             k_norm=self.norm(hf_config, head_dim) if source is None else None,

@@ -5,6 +5,7 @@ long-context checkpoints). transformers' modeling_olmo3.py is the spec.
 
 from __future__ import annotations
 
+from nanoinfer.models.layers.attention import layer_sliding_window
 from nanoinfer.models.layers.decoder import DecoderModel
 from nanoinfer.models.layers.rotary import RotaryEmbedding
 from nanoinfer.models.llama import head_dim_of
@@ -24,6 +25,5 @@ class Olmo3ForCausalLM(Olmo2ForCausalLM):
         return DecoderModel(hf_config.vocab_size, hf_config.hidden_size, layers, self.norm(hf_config))
 
     def attention_options(self, hf_config, layer_idx: int) -> dict:
-        sliding = hf_config.layer_types[layer_idx] == "sliding_attention"
-        window = hf_config.sliding_window if sliding else None
-        return dict(super().attention_options(hf_config, layer_idx), sliding_window=window)
+        return dict(super().attention_options(hf_config, layer_idx),
+                    sliding_window=layer_sliding_window(hf_config, layer_idx))  # fmt: skip

@@ -3,8 +3,8 @@ modeling_qwen3.py is the spec."""
 
 from __future__ import annotations
 
+from nanoinfer.models.layers.attention import layer_sliding_window
 from nanoinfer.models.llama import LlamaForCausalLM, head_dim_of
-from nanoinfer.models.qwen2 import qwen_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -14,4 +14,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         head_dim = head_dim_of(hf_config)
         return dict(super().attention_options(hf_config, layer_idx), q_norm=self.norm(hf_config, head_dim),
                     k_norm=self.norm(hf_config, head_dim),
-                    sliding_window=qwen_sliding_window(hf_config, layer_idx))  # fmt: skip
+                    sliding_window=layer_sliding_window(hf_config, layer_idx))  # fmt: skip

@@ -79,3 +79,12 @@ class Attention(nn.Module):
         full = norm(all_gather_last_dim(x))
         size = x.shape[-1]
         return full[..., self.tp_rank * size : (self.tp_rank + 1) * size].contiguous()
+
+
+def layer_sliding_window(hf_config, layer_idx: int) -> int | None:
+    """The config's sliding_window on a layer its `layer_types` marks "sliding_attention" (Gemma 2-4, OLMo 3, Qwen
+    with use_sliding_window), else None: the whole context."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not layer_types or layer_types[layer_idx] != "sliding_attention":
+        return None
+    return getattr(hf_config, "sliding_window", None)
