@@ -28,6 +28,9 @@ FAMILIES = [
     "olmo3",
     "gemma4",
     "gemma4_multimodal",
+    "qwen3_moe",
+    "qwen3_moe_mixed",
+    "mixtral",
 ]
 NUM_TOKENS = 24
 # Log-probabilities: the engine's float32 logits agree with transformers' to 1e-4 (summation order only; the

@@ -25,6 +25,9 @@ _MODELS = {
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM", "smollm3"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM", "olmo2"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM", "olmo3"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", "mixtral"),
+    # gpt-oss entry
 }
 # GGUF general.architecture -> HF architecture
 _GGUF = {

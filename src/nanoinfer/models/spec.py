@@ -39,10 +39,22 @@ class ModelSpec:
     final_norm_params: int
     lm_head_params: int  # 0 when tied to the embedding (no memory of its own)
     supports_tensor_parallel: bool = True  # False: the family runs on one rank only
+    # Mixture of experts: the layers with experts, one expert's gate, up and down matrices (in one layer), how many
+    # experts a layer has and how many a token runs. Experts are part of layer_params, not of matmul_params: a step
+    # reads only the experts its tokens were routed to.
+    num_moe_layers: int = 0
+    params_per_expert: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def expert_params(self) -> int:
+        """Every expert's matrices, every MoE layer."""
+        return self.num_moe_layers * self.num_experts * self.params_per_expert
 
     @property
     def total_params(self) -> int:

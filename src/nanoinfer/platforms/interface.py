@@ -84,6 +84,32 @@ class Platform:
         """silu(x Wg^T) * (x Wu^T) for the MLP's fused gate/up layer."""
         return self.silu_and_mul(self.linear(layer, x, None))
 
+    # Expert method: how an MoE layer's experts (models/layers/moe.FusedMoE) multiply
+
+    def fused_moe(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t: [T, H] (this rank's part).
+        The reference: token-expert pairs sorted by expert, each expert's rows through F.linear, as transformers
+        runs them (a loop over the experts hit; the kernel platforms run grouped GEMMs)."""
+        out = torch.zeros_like(x)
+        flat_ids = topk_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)  # pairs by expert, in token order within one
+        counts = torch.bincount(flat_ids, minlength=layer.num_experts).tolist()
+        tokens = order // topk_ids.shape[1]
+        weights = topk_weights.flatten()[order].to(x.dtype).unsqueeze(1)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            bias13 = None if layer.w13_bias is None else layer.w13_bias[expert]
+            bias2 = None if layer.w2_bias is None else layer.w2_bias[expert]
+            hidden = expert_activation(layer, F.linear(x[rows], layer.w13_weight[expert], bias13))
+            y = F.linear(hidden, layer.w2_weight[expert], bias2) * weights[start : start + count]
+            out.index_add_(0, rows, y)
+            start += count
+        return out
+
     def has_greedy_lm_head(self, lm_head: nn.Module) -> bool:
         """Does greedy_token_ids skip writing the logits (a kernel takes the argmax from the GEMM)?"""
         return False
@@ -125,6 +151,18 @@ differ between layers, e.g. Gemma 4's global layers). Every backend
 
     def before_step(self, slot_mapping: torch.Tensor) -> None:
         """Called with each step's slot mapping before the model writes into the cache."""
+
+
+def expert_activation(layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """An expert's gated activation of its [rows, 2I] gate/up projection (gate columns first), as transformers'."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if layer.activation == "silu":
+        return F.silu(gate) * up
+    if layer.activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    limit = layer.swiglu_limit  # swigluoai
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * layer.swiglu_alpha))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

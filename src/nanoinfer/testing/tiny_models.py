@@ -136,6 +136,20 @@ TINY_FAMILIES = {
                 True),  # fmt: skip
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _no_options, False),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", lambda n: _olmo3_options(n), False),
+    # Qwen3-30B-A3B's options: experts in every layer, the top-k renormalized; 8 experts of width 32, top 2
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  lambda n: dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                 decoder_sparse_step=1, mlp_only_layers=[]),
+                  False),  # fmt: skip
+    # the other options: a dense layer among sparse ones (mlp_only_layers, decoder_sparse_step) and raw top-k weights
+    "qwen3_moe_mixed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        lambda n: dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0]),
+                        False),  # fmt: skip
+    # Mixtral 8x7B's: 8 experts, top 2, no window
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                lambda n: dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None),
+                False),  # fmt: skip
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", lambda n: _gemma4_options(n), True),
     # the published checkpoints' form: language_model.* beside a vision and an audio tower, run for its text part
     "gemma4_multimodal": ("Gemma4Config", "Gemma4ForConditionalGeneration",

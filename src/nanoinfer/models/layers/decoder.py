@@ -188,13 +188,23 @@ class CausalLM(nn.Module):
             return sum(p.numel() for p in module.parameters())
 
         matmul = sum(m.weight.numel() for m in self.model.layers.modules() if getattr(m, "uses_linear_method", False))
+        widths = [m.output_sizes[0] for m in self.modules() if hasattr(m, "act_and_mul")]
+        experts = [m for m in self.model.layers.modules() if getattr(m, "uses_expert_method", False)]
+        routers = [m for m in self.model.layers.modules() if hasattr(m, "top_k")]
+        moe = {}
+        if experts:
+            top_k = max(r.top_k for r in routers)
+            widths.append(top_k * max(m.intermediate_size for m in experts))  # a token's rows through the experts
+            moe = dict(num_moe_layers=len(experts), num_experts=max(m.num_experts for m in experts),
+                       experts_per_token=top_k,
+                       params_per_expert=max(m.w13_weight[0].numel() + m.w2_weight[0].numel() for m in experts))
         return ModelSpec(
             architecture=architecture, hidden_size=self.lm_head.weight.shape[1],
             vocab_size=self.lm_head.vocab_size, layers=layers,
-            intermediate_size=max(m.output_sizes[0] for m in self.modules() if hasattr(m, "act_and_mul")),
+            intermediate_size=max(widths),
             embedding_params=count(self.model) - count(self.model.layers) - count(self.model.norm),
             layer_params=count(self.model.layers), matmul_params=matmul,
             final_norm_params=count(self.model.norm),
             lm_head_params=0 if self.tie_word_embeddings else self.lm_head.weight.numel(),
-            supports_tensor_parallel=self.supports_tensor_parallel,
+            supports_tensor_parallel=self.supports_tensor_parallel, **moe,
         )  # fmt: skip

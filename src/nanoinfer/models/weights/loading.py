@@ -9,6 +9,11 @@ import torch
 from torch import nn
 
 from nanoinfer.errors import ModelLoadError
+from nanoinfer.models.layers.moe import expert_target
+
+# Shard ids of a tensor holding every expert's projection (transformers' fused expert tensors): they fill all of
+# the parameter's per-expert shards
+_WHOLE_SHARDS = ("w13", "w2")
 
 
 class WeightLoading:
@@ -40,9 +45,11 @@ class WeightLoading:
             return None  # the head shares the embedding table
         if "rotary_emb.inv_freq" in name:
             return None  # recomputed from the config
-        target, shard_id = target_name(name, self.packed)
+        target, shard_id = expert_target(name) or target_name(name, self.packed)
         param = self.params.get(target)
-        if param is None or (shard_id is not None and shard_id not in getattr(param, "shard_ids", (shard_id,))):
+        whole = shard_id in _WHOLE_SHARDS and hasattr(param, "shard_ids")  # every expert's tensor at once
+        if param is None or (shard_id is not None and not whole
+                             and shard_id not in getattr(param, "shard_ids", (shard_id,))):
             self.unexpected.append(name)  # not in the model, or a shard its layer does not hold (Gemma 4's k = v)
             return None
         return target, shard_id
@@ -58,7 +65,10 @@ class WeightLoading:
                 loader(param, tensor)
             else:
                 loader(param, tensor, shard_id)
-        self.loaded.add(target if shard_id is None else f"{target}:{shard_id}")
+        if shard_id in _WHOLE_SHARDS and hasattr(param, "shard_ids"):
+            self.loaded.update(f"{target}:{s}" for s in param.shard_ids)
+        else:
+            self.loaded.add(target if shard_id is None else f"{target}:{shard_id}")
 
     def finish(self, source: Path) -> None:
         """Every parameter loaded and nothing left over, or a ModelLoadError naming both lists."""
@@ -97,7 +107,9 @@ def _expected_names(model: nn.Module, packed: dict, tied: bool) -> set[str]:
         if tied and name == "lm_head.weight":
             continue
         fused = next((f for f in shards_by_fused if f".{f}." in name), None)
-        if fused is None:
+        if fused is None and hasattr(param, "shard_ids"):  # experts: each expert's projections
+            names.update(f"{name}:{s}" for s in param.shard_ids)
+        elif fused is None:
             names.add(name)
         else:  # every shard of the fused name, or those its layer holds (Gemma 4's layers without v, or k and v)
             names.update(f"{name}:{s}" for s in getattr(param, "shard_ids", shards_by_fused[fused]))
