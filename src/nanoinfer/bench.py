@@ -186,9 +186,10 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
                    "torch_threads": torch.get_num_threads(), "ready_since_process_start_s": process_age(),
                    "plan": asdict(plan)}  # where the memory went: weights, activations, graphs  # fmt: skip
     if config.tensor_parallel_size == 1:  # else rank 0 holds a shard: the roofline counts from the config
-        from nanoinfer.roofline import weights_read_bytes
+        from nanoinfer.roofline import expert_bytes, weights_read_bytes
 
         engine_info["weights_read_bytes"] = weights_read_bytes(llm.engine.model_runner.model)
+        engine_info["expert_bytes"] = expert_bytes(llm.engine.model_runner.model)
     if warmup:
         llm.generate([[0] * WARMUP_PROMPT_LEN], _greedy(SamplingParams, WARMUP_OUTPUT_LEN))
     params = [_greedy(SamplingParams, n) for n in workload.output_lens]

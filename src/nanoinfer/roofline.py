@@ -36,23 +36,45 @@ class ModelShape:
     weights_bytes: int
     kv_bytes_per_token: int  # K and V of every layer (and every rank)
     logits_bytes_per_row: int  # vocab_size values in the model's dtype
+    # Mixture of experts: weights_bytes leaves the experts out; a step reads the experts its tokens chose
+    # (expected_experts_read), each of bytes_per_expert, and multiplies by experts_per_token of them a token.
+    num_moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    bytes_per_expert: int = 0  # one expert of one layer, as stored
+    params_per_expert: int = 0
+
+    def expected_experts_read(self, num_tokens: int) -> float:
+        """Distinct experts a step of num_tokens reads, summed over MoE layers, with tokens routed uniformly and
+        independently: E (1 - (1 - k / E)^T) a layer. (nanoinfer bench also reports the count it measured.)"""
+        if not self.num_moe_layers or not num_tokens:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return self.num_moe_layers * e * (1 - (1 - k / e) ** num_tokens)
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, dtype: str, kv_cache_dtype: str, tensor_parallel_size: int = 1,
-                  weights_bytes: int | None = None) -> ModelShape:  # fmt: skip
-        """The shape of a model from its ModelSpec; weights_bytes (e.g. measured) replaces the count in dtype.
+                  weights_bytes: int | None = None, expert_bytes: int | None = None) -> ModelShape:  # fmt: skip
+        """The shape of a model from its ModelSpec; weights_bytes and expert_bytes (e.g. measured: the weights but
+        the experts, and every expert) replace the counts in dtype.
 
         A sliding-window layer is counted as if it read the whole context: exact while contexts fit in the window
         (bench's do), an overestimate of the floor's bytes beyond it."""
         if weights_bytes is None:
-            read = spec.layer_params + spec.final_norm_params + spec.vocab_size * spec.hidden_size  # LM head
+            read = spec.layer_params - spec.expert_params + spec.final_norm_params + spec.vocab_size * spec.hidden_size
             weights_bytes = read * memory.dtype_bytes(dtype)
+        if expert_bytes is None:
+            expert_bytes = spec.expert_params * memory.dtype_bytes(dtype)
+        experts = max(1, spec.num_moe_layers * spec.num_experts)
         kv_bytes = tensor_parallel_size * memory.kv_block_bytes(spec, 1, tensor_parallel_size, kv_cache_dtype)
         return cls(
             attention_width=sum(layer.num_heads * layer.head_dim for layer in spec.layers),
             vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, matmul_params=spec.matmul_params,
             weights_bytes=weights_bytes, kv_bytes_per_token=kv_bytes,
             logits_bytes_per_row=spec.vocab_size * memory.dtype_bytes(dtype),
+            num_moe_layers=spec.num_moe_layers, num_experts=spec.num_experts,
+            experts_per_token=spec.experts_per_token, bytes_per_expert=expert_bytes // experts,
+            params_per_expert=spec.params_per_expert,
         )  # fmt: skip
 
 
@@ -89,13 +111,15 @@ def step_cost(shape: ModelShape, num_tokens: int, num_context_tokens: int, num_a
     Activations between kernels, norms and the embedding lookup are left out: a floor, not a model of our
     kernels."""
     kv = shape.kv_bytes_per_token
+    experts = shape.expected_experts_read(num_tokens)
+    expert_flops = 2 * shape.params_per_expert * shape.experts_per_token * shape.num_moe_layers * num_tokens
     return StepCost(
-        weights_bytes=shape.weights_bytes if num_tokens else 0,
+        weights_bytes=(shape.weights_bytes + round(experts * shape.bytes_per_expert)) if num_tokens else 0,
         kv_read_bytes=num_context_tokens * kv,
         kv_write_bytes=num_tokens * kv,
         logits_bytes=num_logits_rows * shape.logits_bytes_per_row,
         flops=2 * shape.matmul_params * num_tokens + 2 * shape.vocab_size * shape.hidden_size * num_logits_rows
-        + 4 * shape.attention_width * num_attention_pairs,
+        + 4 * shape.attention_width * num_attention_pairs + expert_flops,
     )
 
 
@@ -338,13 +362,27 @@ class Roofline:
         return report
 
 
+def expert_bytes(model) -> int:
+    """Bytes of every expert's weights, as this model holds them (a platform's packed copy, `packed_experts`,
+    where it made one)."""
+    total = 0
+    for module in model.modules():
+        if getattr(module, "uses_expert_method", False):
+            packed = getattr(module, "packed_experts", None)
+            tensors = packed.tensors() if packed is not None else list(module.parameters(recurse=False))
+            total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
 def weights_read_bytes(model) -> int:
-    """Bytes of the weights one step reads, as this model holds them: each matrix in its smallest stored form
-    (a CPU-packed weight's 4-bit blocks where it has them), other parameters as they are; the embedding
-    table only as a tied LM head."""
+    """Bytes of the weights one step reads but the experts (expert_bytes), as this model holds them: each matrix in
+    its smallest stored form (a CPU-packed weight's 4-bit blocks where it has them), other parameters as they are;
+    the embedding table only as a tied LM head."""
     counted: set[int] = set()
     total = 0
     for module in model.modules():
+        if getattr(module, "uses_expert_method", False):
+            continue
         embedding = getattr(module, "is_embedding", False)  # looked up, not read (the LM head is not one)
         packed = getattr(module, "packed_weight", None)
         for name, param in module.named_parameters(recurse=False):

@@ -309,7 +309,7 @@ def _roofline(cfg, engine_info: dict, steps: list, bandwidth_gbs: float | None, 
     from nanoinfer import roofline
 
     shape = roofline.ModelShape.from_spec(cfg.model_spec, cfg.dtype, cfg.kv_cache_dtype, cfg.tensor_parallel_size,
-                                          engine_info.get("weights_read_bytes"))
+                                          engine_info.get("weights_read_bytes"), engine_info.get("expert_bytes"))
     ceilings = roofline.device_ceilings(cfg.device, cfg.dtype, bandwidth_gbs=bandwidth_gbs, tflops=tflops,
                                         tensor_parallel_size=cfg.tensor_parallel_size)  # fmt: skip
     floor = roofline.Roofline(shape, ceilings)
