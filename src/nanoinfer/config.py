@@ -134,6 +134,8 @@ class Config:
         if "model" not in bad and self.model.strip():
             problems += self._load_model_config(bad)
         problems += self._resolve_device(bad)
+        if not problems and self.device == "cpu" and self.model_spec is not None:
+            problems += _cpu_weights_problem(self)
         if problems:
             raise ConfigError(problems)
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)  # YAML `1` is a valid fraction
@@ -497,6 +499,17 @@ def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
                 "tensor_parallel_size: 1.",
             )
         ]
+    width = c.model_spec.expert_intermediate_size
+    if width % tp:
+        divisors = [d for d in range(1, 9) if width % d == 0]
+        return [
+            ConfigProblem(
+                "tensor_parallel_size",
+                tp,
+                f"must divide each expert's width ({width}: every rank holds its share of every expert). Use one of "
+                f"{', '.join(map(str, divisors))}.",
+            )
+        ]
     heads = sorted({n for layer in c.model_spec.layers for n in (layer.num_heads, layer.num_kv_heads)})
     if any(n % tp for n in heads):
         divisors = [d for d in range(1, 9) if all(n % d == 0 for n in heads)]
@@ -509,6 +522,26 @@ def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
             )
         ]
     return []
+
+
+def _cpu_weights_problem(c: Config) -> list[ConfigProblem]:
+    """On CPU, weights (safetensors headers, in the run's dtype) larger than the machine's RAM: loading them would
+    end in the kernel's OOM killer, not an error, so say it first (a mixture of experts holds every expert). GGUF
+    folders are left out: their quantized weights load smaller than a count in dtype says."""
+    from nanoinfer import memory
+
+    if not any(Path(c.model).glob("*.safetensors")):
+        return []
+    total = memory.total_ram_bytes()
+    weights = memory.weights_bytes_from_checkpoint(c.model, c.dtype, c.model_spec)
+    if total is None or weights <= 0.95 * total:
+        return []
+    smaller = " Use dtype: bfloat16 (half of float32's bytes)," if c.dtype == "float32" else " Use"
+    return [ConfigProblem(
+        "model", c.model,
+        f"its weights take {memory.describe_weights(c.model_spec, weights)} in {c.dtype}, more than this machine's "
+        f"RAM ({memory.format_bytes(total)}).{smaller} a quantized GGUF of the model, or a machine with more memory.",
+    )]  # fmt: skip
 
 
 def _kvcache_capacity_problem(c: Config, bad: set[str]) -> list[ConfigProblem]:

@@ -265,6 +265,7 @@ def plan_kv_cache(
     max_model_len: int,
     num_kvcache_blocks: int = -1,
     graph_bytes: int = 0,
+    spec: ModelSpec | None = None,
 ) -> KVCachePlan:
     """Size the KV cache of one device (per rank under tensor parallelism).
 
@@ -278,6 +279,7 @@ def plan_kv_cache(
         num_kvcache_blocks: -1 sizes the cache from the budget; a positive value is used as is,
             after checking that it fits in the budget.
         graph_bytes: memory held by the captured CUDA graphs (measured by the engine).
+        spec: the model's, to say in an error how much of the weights are experts.
 
     Returns:
         The plan. Raises OutOfMemoryError when nothing (or not the requested blocks) fits.
@@ -289,7 +291,7 @@ def plan_kv_cache(
     usable = math.floor(total_bytes * utilization)
     breakdown = (
         f"gpu_memory_utilization {utilization} x {format_bytes(total_bytes)} = {format_bytes(usable)}, "
-        f"minus weights {format_bytes(weights_bytes)}, "
+        f"minus weights {describe_weights(spec, weights_bytes) if spec else format_bytes(weights_bytes)}, "
         f"activation peak {format_bytes(activation_bytes)}, "
         + (f"CUDA graphs {format_bytes(graph_bytes)}, " if graph_bytes else "")
         + "and memory used by others "
@@ -331,17 +333,35 @@ def plan_kv_cache(
 
 def available_ram_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    return _meminfo("MemAvailable:", "SC_AVPHYS_PAGES")
+
+
+def total_ram_bytes() -> int | None:
+    """MemTotal from /proc/meminfo (None where there is no such file)."""
+    return _meminfo("MemTotal:", "SC_PHYS_PAGES")
+
+
+def _meminfo(key: str, sysconf_pages: str) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(sysconf_pages) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def describe_weights(spec: ModelSpec, weights_bytes: int) -> str:
+    """"X" or, for a mixture of experts, "X, of which the experts Y (L layers x E experts)": where the bytes go."""
+    if not spec.num_moe_layers:
+        return format_bytes(weights_bytes)
+    experts = round(weights_bytes * spec.expert_params / max(1, spec.total_params))
+    return (f"{format_bytes(weights_bytes)}, of which the experts {format_bytes(experts)} "
+            f"({spec.num_moe_layers} layers x {spec.num_experts} experts)")
 
 
 def plan_cpu_kv_cache(config, block_bytes: int) -> KVCachePlan:

@@ -199,7 +199,7 @@ def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks
         plan = memory.plan_kv_cache(
             total_bytes=device["total_bytes"], utilization=s["gpu_memory_utilization"],
             other_bytes=device["other_bytes"], block_size=s["kvcache_block_size"],
-            max_model_len=s["max_model_len"], num_kvcache_blocks=num_kvcache_blocks, **inputs,
+            max_model_len=s["max_model_len"], num_kvcache_blocks=num_kvcache_blocks, spec=spec, **inputs,
         )  # fmt: skip
         return {**inputs, "plan": plan, "error": None}
     except OutOfMemoryError as e:
@@ -259,6 +259,10 @@ def build_report(s: dict, device: dict) -> dict:
         if any(Path(s["model_dir"]).glob("*.safetensors"))
         else "estimated from config.json (no *.safetensors)",
         "weights_bytes": run["weights_bytes"],
+        # a mixture of experts: every expert is held (a step reads those its tokens chose), per rank
+        "moe": (f"{s['spec'].num_moe_layers} layers x {s['spec'].num_experts}, top {s['spec'].experts_per_token}"
+                if s["spec"].num_moe_layers else None),
+        "expert_bytes": round(run["weights_bytes"] * s["spec"].expert_params / max(1, s["spec"].total_params)),
         "activation_bytes": run["activation_bytes"],
         "kv_budget_bytes": budget,
         "kv_bytes_per_token": run["block_bytes"] // s["kvcache_block_size"],
@@ -306,6 +310,7 @@ def _render(r: dict) -> None:
         ("tensor_parallel_size / dtype / KV cache",
          f"{r['tensor_parallel_size']} / {r['dtype']} / {r['kv_cache_dtype']}"),
         ("weights (per rank)", f"{size(r['weights_bytes'])} ({r['weights_bytes']:,} B)"),
+        *([(f"  experts ({r['moe']})", size(r["expert_bytes"]))] if r.get("moe") else []),
         ("activation peak (estimate)", f"{size(r['activation_bytes'])} ({r['activation_bytes']:,} B)"),
         ("KV budget", f"{size(r['kv_budget_bytes'])} ({r['kv_budget_bytes']:,} B)"),
         ("KV bytes per token", f"{r['kv_bytes_per_token']:,}"),

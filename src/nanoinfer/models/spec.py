@@ -46,6 +46,7 @@ class ModelSpec:
     params_per_expert: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
+    expert_intermediate_size: int = 0  # each expert's width, split over tensor-parallel ranks
 
     @property
     def num_layers(self) -> int:
@@ -67,10 +68,10 @@ class ModelSpec:
 
     def check_tensor_parallel(self, tensor_parallel_size: int) -> bool:
         """Query and KV heads must split evenly over ranks in every layer, as the engine shards them (it does not
-        replicate KV heads), and the family must shard at all."""
+        replicate KV heads), so must each expert's width, and the family must shard at all."""
         tp = tensor_parallel_size
         if tp > 1 and not self.supports_tensor_parallel:
             return False
-        return tp >= 1 and all(
+        return tp >= 1 and self.expert_intermediate_size % tp == 0 and all(
             layer.num_heads % tp == 0 and layer.num_kv_heads % tp == 0 for layer in self.layers
         )

@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
             top_k = max(r.top_k for r in routers)
             widths.append(top_k * max(m.intermediate_size for m in experts))  # a token's rows through the experts
             moe = dict(num_moe_layers=len(experts), num_experts=max(m.num_experts for m in experts),
-                       experts_per_token=top_k,
+                       experts_per_token=top_k, expert_intermediate_size=max(m.intermediate_size for m in experts),
                        params_per_expert=max(m.w13_weight[0].numel() + m.w2_weight[0].numel() for m in experts))
         return ModelSpec(
             architecture=architecture, hidden_size=self.lm_head.weight.shape[1],

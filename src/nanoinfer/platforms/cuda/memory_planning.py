@@ -28,7 +28,7 @@ def build_cuda_runner(config, block_bytes: int, make_runner):
         total_bytes=total, utilization=config.gpu_memory_utilization, weights_bytes=weights_bytes,
         activation_bytes=activation_bytes, other_bytes=other_bytes, block_bytes=block_bytes,
         block_size=config.kvcache_block_size, max_model_len=config.max_model_len,
-        num_kvcache_blocks=config.num_kvcache_blocks, graph_bytes=graph_bytes,
+        num_kvcache_blocks=config.num_kvcache_blocks, graph_bytes=graph_bytes, spec=config.model_spec,
     )  # fmt: skip
     memory.check_fits(plan, config.max_model_len)
     runner.allocate_kv_cache(plan.num_blocks)
