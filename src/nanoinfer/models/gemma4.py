@@ -12,8 +12,9 @@
 - each layer's output scaled by its layer_scalar; norms scaling by w itself (not Gemma's 1 + w);
 - the final logit soft cap, in Gemma4ForConditionalGeneration too.
 
-The layers are in layers/gemma4.py. The MoE variant (enable_moe_block) is refused, and so is tensor parallelism
-(the per-layer inputs and the shared caches are not sharded). Gemma4ForConditionalGeneration checkpoints run here
+The MoE variant (enable_moe_block, 26B-A4B) has experts beside each layer's dense MLP (layers/gemma4.py). The
+layers are in layers/gemma4.py. Tensor parallelism is refused (the per-layer inputs and the shared caches are not
+sharded). Gemma4ForConditionalGeneration checkpoints run here
 for their text part: the vision and audio towers are skipped.
 """
 
@@ -24,8 +25,9 @@ from torch import nn
 from nanoinfer.models.gemma import GemmaForCausalLM
 from nanoinfer.models.gemma3 import language_config
 from nanoinfer.models.layers.attention import layer_sliding_window
-from nanoinfer.models.layers.gemma4 import Gemma4Attention, Gemma4DecoderLayer, Gemma4Model
+from nanoinfer.models.layers.gemma4 import Gemma4Attention, Gemma4DecoderLayer, Gemma4Model, Gemma4Router
 from nanoinfer.models.layers.mlp import GatedMLP
+from nanoinfer.models.layers.moe import FusedMoE
 from nanoinfer.models.layers.norm import UnscaledRMSNorm
 from nanoinfer.models.layers.rotary import RotaryEmbedding
 from nanoinfer.models.olmo2 import Olmo2RMSNorm
@@ -60,11 +62,20 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
 
     def build_layer(self, hf_config, layer_idx: int, backend, rotary) -> nn.Module:
         per_layer = getattr(hf_config, "hidden_size_per_layer_input", None) or None
-        return Gemma4DecoderLayer(
+        layer = Gemma4DecoderLayer(
             self.build_attention(hf_config, layer_idx, backend, rotary), self.build_mlp(hf_config, layer_idx),
             *(self.norm(hf_config) for _ in range(4)), hidden_act=hf_config.hidden_activation,
             per_layer_input_size=per_layer, post_per_layer_input_norm=self.norm(hf_config) if per_layer else None,
         )  # fmt: skip
+        if getattr(hf_config, "enable_moe_block", False):
+            eps = getattr(hf_config, "rms_norm_eps", 1e-6)
+            layer.add_experts(
+                Gemma4Router(hf_config.hidden_size, hf_config.num_experts, hf_config.top_k_experts, eps),
+                FusedMoE(hf_config.num_experts, hf_config.hidden_size, hf_config.moe_intermediate_size,
+                         hf_config.hidden_activation),
+                *(self.norm(hf_config) for _ in range(3)),
+            )  # fmt: skip
+        return layer
 
     def build_attention(self, hf_config, layer_idx: int, backend, rotary) -> Gemma4Attention:
         head_dim, num_kv_heads = attention_shape(hf_config, layer_idx)
@@ -118,9 +129,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
 
 def check_text_config(hf_config) -> None:
     """What nanoinfer does not run, refused (a ValueError is reported by Config as a problem with config.json)."""
-    if getattr(hf_config, "enable_moe_block", False):
-        raise ValueError("enable_moe_block is set: the Gemma 4 mixture-of-experts model is not supported (its dense "
-                         "checkpoints are)")  # fmt: skip
     # "vision" attends bidirectionally over image tokens only: text is causal, which is all nanoinfer feeds
     if getattr(hf_config, "use_bidirectional_attention", None) == "all":
         raise ValueError("use_bidirectional_attention is 'all': that is an encoder (embedding) model, and "

@@ -17,6 +17,8 @@ from torch import nn
 from nanoinfer.models.layers.decoder import DecoderModel
 from nanoinfer.models.layers.embedding import VocabParallelEmbedding
 from nanoinfer.models.layers.linear import GATED_ACTIVATIONS, ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.models.layers.moe import select_experts
+from nanoinfer.models.layers.norm import UnscaledRMSNorm
 from nanoinfer.platforms import current_platform
 
 
@@ -69,6 +71,24 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(out if output_rows is None else out[output_rows])
 
 
+class Gemma4Router(nn.Module):
+    """Gemma 4's router: the stream normed without weight, scaled by `scale` and 1 / sqrt(hidden_size), projected to
+    expert scores; the top k of their softmax, renormalized, each times its expert's `per_expert_scale`."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float):
+        super().__init__()
+        self.norm = UnscaledRMSNorm(eps)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+        self.top_k, self.root_size = top_k, hidden_size**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(self.norm(x) * self.scale * self.root_size)
+        weights, ids = select_experts(scores, self.top_k, "softmax", renormalize=True)
+        return weights * self.per_expert_scale[ids].float(), ids
+
+
 class Gemma4DecoderLayer(nn.Module):
     """norm -> attention -> norm -> add, norm -> MLP -> norm -> add, then (with per-layer inputs)
     gate(stream) -> act -> * the layer's input -> projection -> norm -> add; the stream scaled by layer_scalar."""
@@ -96,6 +116,25 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_projection = RowParallelLinear(per_layer_input_size, hidden_size)
             self.post_per_layer_input_norm = post_per_layer_input_norm
 
+    def add_experts(self, router: Gemma4Router, experts: nn.Module, post_feedforward_layernorm_1: nn.Module,
+                    pre_feedforward_layernorm_2: nn.Module, post_feedforward_layernorm_2: nn.Module) -> None:
+        """The MoE variant (enable_moe_block): experts beside the dense MLP, both fed the stream after attention
+        (the MLP through pre_feedforward_layernorm, the experts through pre_feedforward_layernorm_2, the router
+        through its own norm), each output normed, summed, then normed as the dense MLP's alone is."""
+        self.router, self.experts = router, experts
+        self.post_feedforward_layernorm_1 = post_feedforward_layernorm_1
+        self.pre_feedforward_layernorm_2 = pre_feedforward_layernorm_2
+        self.post_feedforward_layernorm_2 = post_feedforward_layernorm_2
+
+    def feed_forward(self, hidden_states, stream):
+        """The MLP's output (and the experts', with them) on its way into the stream."""
+        out = self.mlp(hidden_states)
+        if getattr(self, "experts", None) is None:
+            return out
+        topk_weights, topk_ids = self.router(stream)
+        experts = self.experts(self.pre_feedforward_layernorm_2(stream), topk_weights, topk_ids)
+        return self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
+
     def forward(self, positions, stream, per_layer_input, kv_cache, metadata, output_rows=None):
         """The next layer's stream: of every row, or of output_rows only (their attention still sees every row)."""
         hidden_states = self.self_attn(positions, self.input_layernorm(stream), kv_cache, metadata, output_rows)
@@ -107,7 +146,7 @@ class Gemma4DecoderLayer(nn.Module):
         hidden_states = self.post_attention_layernorm(hidden_states)
         # stream + attention, and its norm, in one op (which may reuse both inputs: neither is read again)
         hidden_states, stream = self.pre_feedforward_layernorm(hidden_states, stream)
-        stream = stream + self.post_feedforward_layernorm(self.mlp(hidden_states))
+        stream = stream + self.post_feedforward_layernorm(self.feed_forward(hidden_states, stream))
         if self.per_layer_input_gate is not None:
             gated = self._gated(stream, per_layer_input)
             stream = stream + self.post_per_layer_input_norm(self.per_layer_projection(gated))
