@@ -2,8 +2,9 @@
 writes each architecture, in every tensor type nanoinfer loads, run from the .gguf file itself; greedy float32
 tokens equal transformers' on the same file (its own GGUF loader, dequantizing with the gguf package) and the
 Hugging Face folder each file came from. Llama 3's rope scaling comes back from its rope_freqs tensor, split
-files load from their shards, Q4_0 / Q4_1 blocks reach the CPU 4-bit GEMM as they are; unsupported types and
-architectures, and missing shards, are clear errors."""
+files load from their shards, Q4_0 / Q4_1 blocks reach the CPU 4-bit GEMM as they are, MoE files (qwen3moe, and
+Mixtral as a llama with experts) load their stacked expert tensors; unsupported types and architectures, missing
+shards and missing or mis-shaped expert tensors are clear errors."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ from nanoinfer.models.weights import gguf as gguf_format
 from nanoinfer.platforms.cpu import linear as cpu_linear
 from nanoinfer.platforms.cpu.ops import cpu_ops
 from nanoinfer.testing.hf_reference import hf_greedy, hf_model
-from nanoinfer.testing.tiny_gguf import ARCHITECTURES, LLAMA3_ROPE, build_tiny_gguf, llama3_rope_factors
+from nanoinfer.testing.tiny_gguf import (
+    ARCHITECTURES,
+    LLAMA3_ROPE,
+    build_tiny_gguf,
+    llama3_rope_factors,
+    stored_weights_folder,
+)
 
 NUM_TOKENS = 12
 K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
@@ -47,6 +54,8 @@ def gguf_dir(tmp_path_factory):
 
 def build(gguf_dir, family: str, kind: str):
     shape = K_QUANT_SHAPE if kind.endswith("_K") else {}
+    if kind.endswith("_K") and family == "qwen3_moe":
+        shape = dict(shape, moe_intermediate_size=256)  # the down experts' rows too
     folder = gguf_dir / f"{family}-{kind}"
     folder.mkdir(exist_ok=True)
     return build_tiny_gguf(family, folder / "model.gguf", kind, **shape)
@@ -209,29 +218,42 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata(gguf_dir):
     assert llm.eos_token_ids == {reference.eos_token_id}
 
 
-def test_an_unsupported_tensor_type_is_an_error_naming_it(gguf_dir, monkeypatch):
+def rewrite_gguf(path, out, edit) -> Path:
+    """A copy of the F32 GGUF `path` at `out` (same metadata) whose tensors are edit(tensors): tensors is a dict of
+    name -> float32 values in torch's dim order; edit returns a dict of name -> values, or (raw bytes, raw type)."""
     import gguf
 
-    path = build(gguf_dir, "qwen2", "F32")
-    bad = gguf_dir / "iq" / "model.gguf"
-    bad.parent.mkdir()
     reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(bad), "qwen2")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out), gguf_format.field(reader, "general.architecture"))
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1
-                             else None)
-    for t in reader.tensors:
-        if t.name == "blk.0.ffn_down.weight":  # IQ4_NL: 32 values in 18 bytes
-            raw = np.zeros((t.shape[1], t.shape[0] // 32 * 18), dtype=np.uint8)
-            writer.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+                             else None)  # fmt: skip
+    tensors = {t.name: np.array(t.data).reshape([int(x) for x in reversed(t.shape)]) for t in reader.tensors}
+    for name, values in edit(tensors).items():
+        if isinstance(values, tuple):
+            raw, raw_type = values
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=raw_type)
         else:
-            writer.add_tensor(t.name, np.array(t.data).reshape([int(x) for x in reversed(t.shape)]))
+            writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_an_unsupported_tensor_type_is_an_error_naming_it(gguf_dir, monkeypatch):
+    import gguf
+
+    def iq4_nl_down(tensors):  # IQ4_NL: 32 values in 18 bytes
+        rows, columns = tensors["blk.0.ffn_down.weight"].shape
+        raw = np.zeros((rows, columns // 32 * 18), dtype=np.uint8)
+        return tensors | {"blk.0.ffn_down.weight": (raw, gguf.GGMLQuantizationType.IQ4_NL)}
+
+    bad = rewrite_gguf(build(gguf_dir, "qwen2", "F32"), gguf_dir / "iq" / "model.gguf", iq4_nl_down)
     with pytest.raises(ModelLoadError, match="blk.0.ffn_down.weight is of type IQ4_NL"):
         LLM(str(bad), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
 
@@ -264,3 +286,87 @@ def test_an_olmo3_gguf_is_refused_not_run_as_olmo2(tmp_path):
     write_stub(tmp_path / "olmo3.gguf", "olmo2", sliding_window=4096)
     with pytest.raises(ModelLoadError, match="is an OLMo 3 GGUF"):
         LLM(str(tmp_path / "olmo3.gguf"), device="cpu")
+
+
+# ---- mixture of experts: qwen3moe, and Mixtral as llama.cpp writes it (a llama with experts) --------------------
+MOE_CASES = [(family, kind) for family in ("qwen3_moe", "mixtral") for kind in ("F32", "Q8_0", "Q4_0")]
+MOE_CASES += [("qwen3_moe", "Q4_K")]
+
+
+@pytest.mark.parametrize("family, kind", MOE_CASES, ids=[f"{f}-{k}" for f, k in MOE_CASES])
+def test_moe_gguf_greedy_tokens_equal_the_weights_it_holds(gguf_dir, family, kind):
+    # float32: the HF folder the file came from; quantized: that folder's weights as the file stores them (the
+    # same quantization, dequantized by the gguf package), and transformers on the file itself where its GGUF
+    # loader reads the architecture (qwen3moe; it has no llama with experts)
+    path = build(gguf_dir, family, kind)
+    llm, ids, ours = run(path)
+    source = json.loads((path.with_suffix(".hf") / "config.json").read_text())
+    assert llm.config.hf_config.architectures == source["architectures"]
+    if kind == "F32":
+        assert ours == hf_greedy(path.with_suffix(".hf"), ids, NUM_TOKENS)[0]
+    elif not kind.endswith("_K"):  # K-quant files hold random blocks: only transformers on the file knows them
+        assert ours == hf_greedy(stored_weights_folder(path, kind), ids, NUM_TOKENS)[0]
+    if family == "qwen3_moe":
+        config = transformers.AutoConfig.from_pretrained(path.with_suffix(".hf"))
+        assert ours == hf_greedy(llm.config.model, ids, NUM_TOKENS, config=config)[0]
+
+
+def test_a_qwen3moe_gguf_routes_as_llama_cpp_runs_it(gguf_dir):
+    # llama.cpp's qwen3moe always renormalizes the top k and has experts in every layer; the converter writes
+    # Qwen3's dense intermediate_size as feed_forward_length and the experts' as expert_feed_forward_length
+    llm, _, _ = run(build(gguf_dir, "qwen3_moe", "F32"))
+    config = llm.config.hf_config
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 32)
+    assert config.norm_topk_prob is True and config.decoder_sparse_step == 1 and config.mlp_only_layers == []
+    with pytest.raises(ValueError, match="renormalized"):  # and so the writer refuses what llama.cpp cannot run
+        build_tiny_gguf("qwen3_moe", gguf_dir / "mixed" / "model.gguf", mlp_only_layers=[0])
+
+
+def test_a_llama_gguf_without_experts_stays_llama_and_one_with_experts_runs_as_mixtral(gguf_dir):
+    assert gguf_format.GGUFModel(build(gguf_dir, "llama", "F32")).family.__name__ == "LlamaForCausalLM"
+    assert gguf_format.GGUFModel(build(gguf_dir, "mixtral", "F32")).family.__name__ == "MixtralForCausalLM"
+
+
+def test_fused_gate_up_experts_load_as_gate_and_up(gguf_dir):
+    # llama.cpp's --fuse-gate-up-exps: one [experts, 2 x width, hidden] tensor, each expert's gate rows then its up
+    path = build(gguf_dir, "qwen3_moe", "F32")
+
+    def fuse(tensors):
+        fused = {}
+        for name, values in tensors.items():
+            if "ffn_gate_exps" in name:
+                up = tensors[name.replace("ffn_gate_exps", "ffn_up_exps")]
+                fused[name.replace("ffn_gate_exps", "ffn_gate_up_exps")] = np.concatenate([values, up], axis=1)
+            elif "ffn_up_exps" not in name:
+                fused[name] = values
+        return fused
+
+    fused = rewrite_gguf(path, gguf_dir / "fused" / "model.gguf", fuse)
+    assert run(fused)[2] == run(path)[2]
+
+
+def without_tensor(name: str):
+    return lambda tensors: {k: v for k, v in tensors.items() if k != name}
+
+
+def first_experts_only(name: str, num_experts: int):
+    return lambda tensors: tensors | {name: tensors[name][:num_experts]}
+
+
+@pytest.mark.parametrize("family, edit, message", [
+    ("qwen3_moe", without_tensor("blk.1.ffn_up_exps.weight"), "tensor blk.1.ffn_up_exps.weight is missing"),
+    ("mixtral", without_tensor("blk.0.ffn_down_exps.weight"), "tensor blk.0.ffn_down_exps.weight is missing"),
+    ("qwen3_moe", first_experts_only("blk.0.ffn_down_exps.weight", 4),
+     r"tensor blk.0.ffn_down_exps.weight has shape \(4, 64, 32\) \[experts, rows, columns\], but the model its "
+     r"metadata describes takes \(8, 64, 32\)"),
+], ids=["missing-qwen3moe", "missing-mixtral", "mis-shaped"])  # fmt: skip
+def test_a_missing_or_mis_shaped_expert_tensor_is_an_error_naming_it(gguf_dir, tmp_path, family, edit, message):
+    bad = rewrite_gguf(build(gguf_dir, family, "F32"), tmp_path / "bad" / "model.gguf", edit)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(bad), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
+
+
+def test_a_gguf_with_experts_but_no_expert_used_count_is_refused(tmp_path):
+    write_stub(tmp_path / "moe.gguf", "llama", expert_count=8)
+    with pytest.raises(ModelLoadError, match="needs llama.expert_count and llama.expert_used_count"):
+        LLM(str(tmp_path / "moe.gguf"), device="cpu")

@@ -14,6 +14,14 @@ from nanoinfer.models.mistral import MistralForCausalLM
 class MixtralForCausalLM(MistralForCausalLM):
     fused_decode_shape = None  # the fused C++ decode loop runs dense MLPs only
 
+    @classmethod
+    def gguf_config(cls, gguf) -> dict:
+        """llama.cpp writes Mixtral as a llama with experts (models/registry.py routes it here): Llama's q/k row
+        order and rope; the experts' width is feed_forward_length (Mixtral's intermediate_size), and no window."""
+        experts, used = gguf.expert_counts()
+        return {**super().gguf_config(gguf), "num_local_experts": experts, "num_experts_per_tok": used,
+                "sliding_window": None}  # fmt: skip
+
     def build_mlp(self, hf_config, layer_idx: int) -> nn.Module:
         return SparseMoeBlock(
             TopKRouter(hf_config.hidden_size, hf_config.num_local_experts, hf_config.num_experts_per_tok),

@@ -15,6 +15,17 @@ from nanoinfer.models.qwen3 import Qwen3ForCausalLM
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     fused_decode_shape = None  # the fused C++ decode loop runs dense MLPs only
 
+    @classmethod
+    def gguf_config(cls, gguf) -> dict:
+        """llama.cpp's qwen3moe: experts in every layer (it has no dense ones), the top k always renormalized
+        (its graph fixes that; the converter writes no norm_topk_prob, which Qwen3-MoE checkpoints set true), the
+        expert width from expert_feed_forward_length, else feed_forward_length / expert_used_count as llama.cpp."""
+        experts, used = gguf.expert_counts()
+        width = gguf.meta("expert_feed_forward_length") or gguf.meta("feed_forward_length") // used
+        return {**super().gguf_config(gguf), "num_experts": experts, "num_experts_per_tok": used,
+                "moe_intermediate_size": width, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "mlp_only_layers": []}  # fmt: skip
+
     def attention_options(self, hf_config, layer_idx: int) -> dict:
         # every layer windowed with use_sliding_window (no layer_types), as transformers' config sets it
         window = hf_config.sliding_window if getattr(hf_config, "use_sliding_window", False) else None

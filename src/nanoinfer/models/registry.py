@@ -34,6 +34,7 @@ _GGUF = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     # gemma GGUF entries
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -42,6 +43,9 @@ _GGUF = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
 }
+# GGUF general.architecture -> HF architecture, for files with experts (expert_count > 0): llama.cpp's converter
+# writes Mixtral as a llama with experts
+_GGUF_WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -81,8 +85,11 @@ def model_class(architecture: str) -> type:
     return getattr(importlib.import_module(f"nanoinfer.models.{module}"), cls)
 
 
-def gguf_architecture(general_architecture: str) -> str | None:
-    """The HF architecture that runs a GGUF file's general.architecture, or None."""
+def gguf_architecture(general_architecture: str, has_experts: bool = False) -> str | None:
+    """The HF architecture that runs a GGUF file's general.architecture (`has_experts`: its metadata's
+    expert_count > 0), or None."""
+    if has_experts and general_architecture in _GGUF_WITH_EXPERTS:
+        return _GGUF_WITH_EXPERTS[general_architecture]
     return _GGUF.get(general_architecture)
 
 

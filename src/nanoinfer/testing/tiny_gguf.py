@@ -1,9 +1,11 @@
 """Tiny random-weight models written as GGUF files with the `gguf` package, as llama.cpp's converter
 (convert_hf_to_gguf.py) writes them: its tensor names (the gguf package's own TensorNameMap, the converter's),
-its metadata keys per architecture, Llama's q/k rows in GGML's rotary order, Gemma's norms with the 1 of
-(1 + w) folded in, rope scaling as llama.cpp stores it (Llama 3's `rope_freqs`, Phi-3's longrope factor tensors),
-the tokenizer in the metadata, optionally split into shards as gguf-split does. The linears take the tensor type
-asked for; norms stay F32, the embedding F16 (as llama.cpp's quantizer leaves small and sensitive tensors).
+its metadata keys per architecture, Llama's (and Mixtral's) q/k rows in GGML's rotary order, Gemma's norms with the
+1 of (1 + w) folded in, rope scaling as llama.cpp stores it (Llama 3's `rope_freqs`, Phi-3's longrope factor
+tensors), each projection of a MoE layer's experts stacked into one [experts, rows, columns] tensor, the tokenizer
+in the metadata, optionally split into shards as gguf-split does. The linears (experts included) take the tensor
+type asked for; norms and routers stay F32, the embedding F16 (as llama.cpp's quantizer leaves small and sensitive
+tensors).
 
 Everything here is the writer's side: nanoinfer's reader (models/weights/gguf.py and the families' GGUF hooks)
 never shares code with it, so the tests check one against the other.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +27,7 @@ K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 # tiny family -> llama.cpp architecture (gguf.MODEL_ARCH member) its converter writes
 ARCHITECTURES = {
     "llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA", "gemma2": "GEMMA2", "gemma3": "GEMMA3",
-    "phi3": "PHI3", "phi4_mini": "PHI3", "olmo2": "OLMO2",
+    "phi3": "PHI3", "phi4_mini": "PHI3", "olmo2": "OLMO2", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA",
 }  # fmt: skip
 # Llama 3.1's rope scaling (its published config.json), for build_tiny_gguf("llama", ..., rope_parameters=LLAMA3_ROPE)
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -75,15 +79,10 @@ def build_tiny_gguf(family: str, path: str | Path, tensor_type: str = "F32", *, 
     _add_tokenizer(writer, hf_dir)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     rng = np.random.default_rng(seed)
-    qtype = gguf.GGMLQuantizationType[tensor_type]
     for name, data in _converted(family, config, tensors):
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if data.ndim == 2 and name not in ("model.embed_tokens.weight", "lm_head.weight"):
-            _add_quantized(writer, gguf, gguf_name, data, qtype, rng)
-        elif data.ndim == 2:
-            writer.add_tensor(gguf_name, data.astype(np.float16))
-        else:
-            writer.add_tensor(gguf_name, data)
+        stored = gguf.GGMLQuantizationType[_stored_type(name, data, tensor_type)]
+        _add_quantized(writer, gguf, gguf_name, data, stored, rng)
     for gguf_name, data in _extra_tensors(family, config):
         writer.add_tensor(gguf_name, data)
     writer.write_header_to_file()
@@ -91,6 +90,40 @@ def build_tiny_gguf(family: str, path: str | Path, tensor_type: str = "F32", *, 
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(path)[0]
+
+
+def _stored_type(name: str, data: np.ndarray, tensor_type: str) -> str:
+    """The type a tensor is written in: vectors and MoE routers (ffn_gate_inp, which the converter and
+    llama-quantize keep) F32, the embedding and head F16, every other matrix (the experts' stacks too) `tensor_type`."""
+    if data.ndim == 1 or name.endswith(".gate.weight"):
+        return "F32"
+    return "F16" if name in ("model.embed_tokens.weight", "lm_head.weight") else tensor_type
+
+
+def stored_weights_folder(path: str | Path, tensor_type: str) -> Path:
+    """The Hugging Face folder of the weights build_tiny_gguf(..., tensor_type) wrote to `path`: its source folder
+    with each tensor quantized as written and dequantized again by the gguf package, at path.with_suffix(
+    ".stored.hf"), for transformers to run what the file holds where it cannot read the file itself. Each HF
+    tensor round-trips alone: the file's blocks run along rows, which stacking experts or reordering q/k rows keeps.
+    Not for K-quants (their blocks are random bytes)."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if tensor_type in K_QUANTS:
+        raise ValueError(f"{tensor_type} files hold random blocks, not quantized weights")
+    path = Path(path)
+    source, out = path.with_suffix(".hf"), path.with_suffix(".stored.hf")
+    shutil.copytree(source, out, dirs_exist_ok=True)
+    tensors = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        data = tensor.to(torch.float32).numpy()
+        kind = gguf.GGMLQuantizationType[_stored_type(name, data, tensor_type)]
+        if kind != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.dequantize(gguf.quants.quantize(data, kind), kind)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(tensor.dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def _rope(config: dict) -> dict:
@@ -102,14 +135,39 @@ def _rope(config: dict) -> dict:
 
 def _converted(family: str, config: dict, tensors: dict):
     """(HF name, values) of the checkpoint's tensors as the converter's modify_tensors gives them."""
-    for name, data in tensors.items():
+    for name, data in _stacked_experts(family, tensors).items():
         if name == "lm_head.weight" and (config.get("tie_word_embeddings") or family in ("gemma", "gemma2")):
             continue  # a tied head is the embedding; Gemma's converters drop lm_head always
-        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        if ARCHITECTURES[family] == "LLAMA" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                                               "k_proj.bias")):  # fmt: skip
             data = permute_rotary(data, config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"])
         if family.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp's Gemma converters: "Gemma3RMSNorm adds 1.0 to the norm value"
         yield name, data
+
+
+def _stacked_experts(family: str, tensors: dict) -> dict:
+    """The checkpoint with each layer's per-expert projections stacked into one [experts, rows, columns] tensor
+    per projection, under the name the converter gives it (Qwen2MoeModel's experts.gate_proj, LlamaModel's
+    feed_forward.experts.w1 for Mixtral), in place of the first expert's."""
+    pattern = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+    stacks: dict[str, list] = {}
+    result = {}
+    for name, data in tensors.items():
+        match = pattern.fullmatch(name)
+        if match is None:
+            result[name] = data
+            continue
+        layer, _, proj = match.groups()
+        merged = (f"layers.{layer}.feed_forward.experts.{proj}.weight" if family == "mixtral"
+                  else f"model.layers.{layer}.mlp.experts.{proj}.weight")  # fmt: skip
+        if merged not in stacks:
+            stacks[merged] = []
+            result[merged] = None  # filled below, in the first expert's place
+        stacks[merged].append((int(match.group(2)), data))
+    for merged, experts in stacks.items():
+        result[merged] = np.stack([data for _, data in sorted(experts, key=lambda item: item[0])])
+    return result
 
 
 def _extra_tensors(family: str, config: dict):
@@ -163,9 +221,23 @@ def _text_model(writer, config: dict, rope: dict) -> None:
     if "sliding_attention" in rope:
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts is not None:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     if config.get("head_dim") is not None:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+
+
+def _qwen3moe(writer, config: dict, rope: dict) -> None:
+    """Qwen3MoeModel (Qwen2MoeModel's set_gguf_parameters). llama.cpp's qwen3moe has experts in every layer and
+    always renormalizes the top k, so a model that does otherwise has no faithful file: refused here."""
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1 or not config.get("norm_topk_prob"):
+        raise ValueError("llama.cpp's qwen3moe runs experts in every layer with the top-k weights renormalized: build "
+                         "the model with mlp_only_layers=[], decoder_sparse_step=1 and norm_topk_prob=True")
+    _text_model(writer, config, rope)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
 def _llama(writer, config: dict, rope: dict) -> None:
@@ -225,13 +297,13 @@ def _phi3(writer, config: dict, rope: dict) -> None:
 
 
 _METADATA = {"LLAMA": _llama, "QWEN2": _text_model, "QWEN3": _text_model, "GEMMA": _gemma, "GEMMA2": _gemma2,
-             "GEMMA3": _gemma3, "PHI3": _phi3, "OLMO2": _text_model}  # fmt: skip
+             "GEMMA3": _gemma3, "PHI3": _phi3, "OLMO2": _text_model, "QWEN3MOE": _qwen3moe}  # fmt: skip
 
 
 def _add_quantized(writer, gguf, name: str, data: np.ndarray, qtype, rng) -> None:
     if qtype.name in K_QUANTS:
         block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, size=(data.shape[0], data.shape[1] // block_elems * block_bytes), dtype=np.uint8)
+        raw = rng.integers(0, 256, size=(*data.shape[:-1], data.shape[-1] // block_elems * block_bytes), dtype=np.uint8)
         _sane_k_quant_scales(raw, qtype.name, block_bytes, rng)
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
     elif qtype == gguf.GGMLQuantizationType.F32:

@@ -12,6 +12,8 @@ This file is generic; what llama.cpp's converter does differently per architectu
 in models/<family>.py): `gguf_config(gguf)` (config.json fields from the metadata and rope tensors),
 `gguf_tensor_names` (GGUF block tensor -> HF module, where they differ from Llama's), `gguf_norm_offset` (a
 constant the converter added to every norm weight), `gguf_unpermute_qk` (q/k rows interleaved for GGML's rotary).
+Mixture-of-experts layers are generic too: llama.cpp writes each projection of all of a layer's experts as one
+tensor, [experts, rows, columns] (ffn_gate_exps, ffn_up_exps, ffn_down_exps), which loads as each expert's.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+    # every expert's projection in one tensor (expert_parts splits it); llama.cpp's --fuse-gate-up-exps writes
+    # gate and up as one, each expert's gate rows then its up rows
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # tensors the converter writes for the config, not the model: rope scaling (read by the families' gguf_config)
@@ -139,7 +148,7 @@ class GGUFModel:
         paths = shards(self.path)
         self.readers = [open_gguf(p) for p in paths]
         self.arch = field(self.readers[0], "general.architecture")
-        if registry.gguf_architecture(self.arch) is None:
+        if self.architecture is None:
             raise ModelLoadError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; nanoinfer runs "
                                  f"{', '.join(registry.supported_gguf_architectures())} GGUF files.")
         self.tensors = [t for reader in self.readers for t in reader.tensors]
@@ -156,9 +165,15 @@ class GGUFModel:
                                  "not all of one model; download the split model's shards again.")
 
     @property
+    def architecture(self) -> str | None:
+        """The HF architecture that runs this file: its general.architecture's, or, for a llama with experts
+        (expert_count > 0), Mixtral's."""
+        return registry.gguf_architecture(self.arch, has_experts=bool(self.meta("expert_count")))
+
+    @property
     def family(self) -> type:
         """The family class that runs this file (and knows how llama.cpp wrote it)."""
-        return registry.model_class(registry.gguf_architecture(self.arch))
+        return registry.model_class(self.architecture)
 
     def field(self, key: str, default=None):
         value = field(self.readers[0], key)
@@ -170,6 +185,16 @@ class GGUFModel:
 
     def meta_float(self, key: str, default=None):
         return float32_value(self.meta(key, default))
+
+    def expert_counts(self) -> tuple[int, int]:
+        """(expert_count, expert_used_count) of a mixture-of-experts model; both must be set (llama.cpp refuses
+        the file otherwise)."""
+        experts, used = self.meta("expert_count"), self.meta("expert_used_count")
+        if not experts or not used:
+            raise ModelLoadError(f"{self.path}: a {self.arch} GGUF with experts needs {self.arch}.expert_count and "
+                                 f"{self.arch}.expert_used_count in its metadata (it has {experts} and {used}). "
+                                 "Convert the model again with llama.cpp's convert_hf_to_gguf.py.")
+        return experts, used
 
     def tensor(self, name: str):
         return self._by_name.get(name)
@@ -186,7 +211,7 @@ class GGUFModel:
 def hf_config(model: GGUFModel) -> dict:
     """config.json for the GGUF's model: the fields every llama.cpp architecture writes alike (its keys), then the
     family's own (gguf_config: sliding windows, soft caps, rope scaling, ...)."""
-    class_name = registry.gguf_architecture(model.arch)
+    class_name = model.architecture
     num_heads, hidden = model.meta("attention.head_count"), model.meta("embedding_length")
     config = {
         "architectures": [class_name],
@@ -348,6 +373,7 @@ def _load_gguf_weights(model: torch.nn.Module, gguf: GGUFModel, hf_config) -> No
 
     loading = WeightLoading(model)
     layer_names = {**_LAYER_NAMES, **getattr(model, "gguf_tensor_names", {})}
+    _check_experts(model, gguf, layer_names)
     for tensor in gguf.tensors:
         if tensor.name.rpartition(".")[0] in CONFIG_TENSORS:
             continue  # already in config.json
@@ -361,20 +387,72 @@ def _load_gguf_weights(model: torch.nn.Module, gguf: GGUFModel, hf_config) -> No
 
 def _load_tensor(model: torch.nn.Module, loading, tensor, name: str, hf_config) -> None:
     """One GGUF tensor through the family's sanitize (which may rename it or split its rows, as Phi-3's fused
-    projections) into the parameters it fills; its 4-bit blocks, split the same way, to their linears."""
+    projections) into the parameters it fills, a tensor of every expert's projection as each expert's; a dense
+    linear's 4-bit blocks, split the same way, to their linears."""
     sanitize = getattr(model, "sanitize", None) or (lambda name, fn: [(name, fn)])
     heads = _rotary_heads(model, tensor.name, hf_config)
     values = functools.cache(lambda: torch.from_numpy(_float_values(model, tensor, heads)))  # read once, if kept
-    parts = [(part, loading.target(part), fn) for part, fn in sanitize(name, values)]
+    experts = expert_parts(name, int(tensor.shape[-1]), values)  # GGML's dims: the experts last
+    tensors = experts or [(name, values)]
+    parts = [(part, loading.target(part), fn) for hf, hf_fn in tensors for part, fn in sanitize(hf, hf_fn)]
     for part, found, fn in parts:
         if found is not None:
             loading.copy(part, *found, fn())
-    if tensor.tensor_type.name in BLOCK_TYPES and name.endswith("proj.weight"):
+    if tensor.tensor_type.name in BLOCK_TYPES and name.endswith("proj.weight") and experts is None:
         # sanitize selects rows, and a row's blocks are a row too: the same parts of d, m and q
         blocks = [sanitize(name, lambda b=b: torch.from_numpy(b)) for b in q4_blocks(tensor, heads)]
         for (_, found, _), *block_parts in zip(parts, *blocks, strict=True):
             if found is not None:
                 _keep_blocks(model, *found, tuple(fn() for _, fn in block_parts))
+
+
+# a tensor of every expert's projection (HF name from _LAYER_NAMES), [experts, rows, columns]
+_ALL_EXPERTS = re.compile(r"(.*\.experts)\.(gate_proj|up_proj|down_proj|gate_up_proj)\.(weight|bias)")
+
+
+def expert_parts(name: str, num_experts: int, values) -> list[tuple[str, object]] | None:
+    """(HF name, tensor function) of each expert's projection in a tensor of all of them (named as transformers'
+    per-expert checkpoints: experts.{e}.gate_proj.weight), or None for any other tensor; a fused gate/up tensor
+    gives each expert's gate and up halves."""
+    match = _ALL_EXPERTS.fullmatch(name)
+    if match is None:
+        return None
+    prefix, proj, kind = match.groups()
+    if proj != "gate_up_proj":
+        return [(f"{prefix}.{e}.{proj}.{kind}", lambda e=e: values()[e]) for e in range(num_experts)]
+    return [(f"{prefix}.{e}.{half}.{kind}", lambda e=e, i=i: values()[e].chunk(2)[i])
+            for e in range(num_experts) for i, half in enumerate(("gate_proj", "up_proj"))]  # fmt: skip
+
+
+def _check_experts(model: torch.nn.Module, gguf: GGUFModel, layer_names: dict[str, str]) -> None:
+    """Each MoE layer's expert tensors are in the file, shaped as the model its metadata describes takes them: a
+    missing or mis-shaped one is an error naming it (not a list of every expert's shards, nor torch's copy error)."""
+    stems = {hf: stem for stem, hf in layer_names.items()}
+    for module_name, module in model.named_modules():
+        match = re.fullmatch(r".*\blayers\.(\d+)\.(.+)", module_name)
+        if not getattr(module, "uses_expert_method", False) or match is None:
+            continue
+        block, path = match.groups()
+        experts, hidden = module.num_experts, module.hidden_size
+        width = module.intermediate_size * module.tp_size
+        projections = {"gate_proj": (experts, width, hidden), "up_proj": (experts, width, hidden),
+                       "down_proj": (experts, hidden, width)}  # fmt: skip
+        fused = f"blk.{block}.{stems.get(f'{path}.gate_up_proj')}.weight"
+        if gguf.tensor(fused) is not None:
+            projections = {"gate_up_proj": (experts, 2 * width, hidden), "down_proj": projections["down_proj"]}
+        for proj, shape in projections.items():
+            tensor_name = f"blk.{block}.{stems.get(f'{path}.{proj}')}.weight"
+            tensor = gguf.tensor(tensor_name)
+            if tensor is None:
+                raise ModelLoadError(f"{gguf.path}: tensor {tensor_name} is missing: layer {block} has {experts} "
+                                     "experts (expert_count), and llama.cpp writes each of their projections as "
+                                     "one tensor of all of them. The file is incomplete; convert the model again.")
+            found = tuple(int(n) for n in reversed(tensor.shape))  # GGML's dims are the reverse of torch's
+            if found != shape:
+                raise ModelLoadError(f"{gguf.path}: tensor {tensor_name} has shape {found} [experts, rows, "
+                                     f"columns], but the model its metadata describes takes {shape} (expert_count "
+                                     f"{experts}, embedding length {hidden}, expert feed-forward length {width}). "
+                                     "The file's metadata and tensors disagree; convert the model again.")
 
 
 def _rotary_heads(model: torch.nn.Module, gguf_name: str, hf_config) -> int | None:
