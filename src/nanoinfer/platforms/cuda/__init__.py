@@ -1,5 +1,6 @@
-"""The CUDA platform: Triton small-op kernels for 16-bit models (kernels/fused_ops.py), the flash-attn and Triton
-attention backends, decode through CUDA graphs, and a KV cache sized from what a warm-up pass measured.
+"""The CUDA platform: Triton small-op kernels for 16-bit models (kernels/fused_ops.py), the experts of MoE models
+(kernels/fused_moe.py), the flash-attn and Triton attention backends, decode through CUDA graphs, and a KV cache
+sized from what a warm-up pass measured.
 
 float32 keeps torch's small ops, whose exact roundings the float32 comparison with transformers relies on.
 NANOINFER_TORCH_SMALL_OPS=1 keeps them in 16-bit too (to compare).
@@ -25,6 +26,9 @@ class CudaPlatform(Platform):
     def __init__(self, dtype: str = "bfloat16"):
         wanted = os.environ.get("NANOINFER_TORCH_SMALL_OPS") != "1" and importlib.util.find_spec("triton") is not None
         self.triton_small_ops = wanted and dtype in ("bfloat16", "float16")  # until prepare_model tries them
+        # The experts run through Triton in every dtype: the reference reads expert counts back to the host,
+        # which a CUDA graph cannot capture.
+        self.triton_moe = importlib.util.find_spec("triton") is not None
 
     def prepare_model(self, model) -> int:
         """Compile and run each small-op kernel once on a tiny input before the engine relies on them; on a
@@ -64,6 +68,13 @@ class CudaPlatform(Platform):
                 and half & (half - 1) == 0):  # fmt: skip
             return ops.rotary_embedding(positions, q, k, cos, sin)
         return super().rotary_embedding(positions, q, k, cos, sin)
+
+    def fused_moe(self, layer, x, topk_weights, topk_ids):
+        if self.triton_moe and x.device.type == "cuda":
+            from nanoinfer.platforms.cuda.kernels.fused_moe import fused_moe_layer
+
+            return fused_moe_layer(layer, x, topk_weights, topk_ids)
+        return super().fused_moe(layer, x, topk_weights, topk_ids)
 
     def attention_backend(self, name: str):
         if name == "flash-attn":
