@@ -392,9 +392,7 @@ def random_weight_model(config_dir: str | Path, dtype: str = "bfloat16", cache_d
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-build-"))
     try:
         config = transformers.AutoConfig.from_pretrained(str(config_dir))
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        model.save_pretrained(tmp, safe_serialization=True)
+        write_random_weights(config, getattr(torch, dtype), tmp)
         build_tokenizer().save_pretrained(tmp)
         shutil.copyfile(Path(config_dir) / "config.json", tmp / "config.json")  # exactly as shipped
         (tmp / ".complete").write_text(json.dumps({"config_sha256": key, "dtype": dtype}))
@@ -404,6 +402,50 @@ def random_weight_model(config_dir: str | Path, dtype: str = "bfloat16", cache_d
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+RANDOM_SHARD_BYTES = 2 << 30
+
+
+def write_random_weights(config, dtype, folder: Path) -> None:
+    """Random weights for `config` written shard by shard (safetensors, with an index), named as transformers names
+    its parameters: peak memory is one shard, not the model (save_pretrained of a built model holds it twice, more
+    than a 24 GiB machine has for a mixture of experts). Matrices ~ N(0, initializer_range), norms 1, biases 0."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    std = getattr(config.get_text_config(), "initializer_range", 0.02)
+    generator = torch.Generator().manual_seed(0)
+    shard, size, weight_map = {}, 0, {}
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(folder / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+            shard, size = {}, 0
+
+    for name, meta in model.state_dict().items():
+        if tied and name.endswith("lm_head.weight"):
+            continue
+        if meta.dim() >= 2 and "norm" not in name:
+            value = torch.empty(meta.shape).normal_(0.0, std, generator=generator).to(dtype)
+        elif name.endswith("bias"):
+            value = torch.zeros(meta.shape, dtype=dtype)
+        else:  # norms and scales
+            value = torch.ones(meta.shape, dtype=dtype)
+        if size + value.nbytes > RANDOM_SHARD_BYTES:
+            flush()
+        shard[name] = value
+        size += value.nbytes
+    flush()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model.config.save_pretrained(folder)
 
 
 def needs_random_weights(model_dir: Path) -> bool:
