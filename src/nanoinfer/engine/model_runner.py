@@ -58,7 +58,8 @@ class ModelRunner:
         self.platform = current_platform()
         self.backend = self.platform.attention_backend(config.attention_backend)
         with torch.device("cpu"):
-            model = registry.build_model(hf_config, self.backend, max_position=max(config.max_model_len, 1))
+            model = registry.build_model(hf_config, self.backend, max_position=max(config.max_model_len, 1),
+                                         dtype=self.dtype)  # fmt: skip
         load_weights(model, config.model, hf_config)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         for rotary in self.model.rotary_embeddings():

@@ -97,9 +97,19 @@ def model_type_of(architecture: str) -> str:
     return _MODELS[architecture][2]
 
 
-def build_model(hf_config, backend, max_position: int):
-    """The family's model for a config (its architecture must be supported: Config checks it)."""
-    return model_class(architecture_of(hf_config))(hf_config, backend, max_position)
+def build_model(hf_config, backend, max_position: int, dtype=None):
+    """The family's model for a config (its architecture must be supported: Config checks it), its parameters made
+    in `dtype` (torch's default dtype while it is built; None: float32). Made in the run's dtype, not converted
+    after loading: a bfloat16 mixture of experts would otherwise need twice its size in RAM first. Tables a
+    family computes at build time (rotary) name their dtype and do not follow the default."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        return model_class(architecture_of(hf_config))(hf_config, backend, max_position)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def model_spec(hf_config):
