@@ -414,7 +414,8 @@ def check_fits(plan: KVCachePlan, max_model_len: int) -> None:
 
 
 def weights_bytes_from_checkpoint(model_dir, dtype: torch.dtype | str, spec: ModelSpec) -> int:
-    """Bytes the weights take once loaded in `dtype`, read from safetensors headers (no tensor data).
+    """Bytes the weights take once loaded in `dtype`, read from safetensors headers (no tensor data); MXFP4
+    expert blocks count as the values they hold (dequantized at load).
 
     A folder without *.safetensors (only config.json) gets the count of its ModelSpec instead.
     """
@@ -426,9 +427,10 @@ def weights_bytes_from_checkpoint(model_dir, dtype: torch.dtype | str, spec: Mod
     num_elements = 0
     for path in files:
         for name, info in _read_safetensors_header(path).items():
-            if name == "__metadata__" or (tied and name.endswith("lm_head.weight")):
-                continue  # a tied head shares the embedding's memory
-            num_elements += math.prod(info["shape"])
+            if name == "__metadata__" or (tied and name.endswith("lm_head.weight")) or name.endswith("_scales"):
+                continue  # a tied head shares the embedding's memory; MXFP4 scales go into the values they scale
+            # MXFP4 experts (gpt-oss): two 4-bit values a byte of *_blocks, dequantized at load
+            num_elements += math.prod(info["shape"]) * (2 if name.endswith("_blocks") else 1)
     return num_elements * dtype_bytes(dtype)
 
 

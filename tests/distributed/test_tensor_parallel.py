@@ -80,8 +80,8 @@ def sharded_llms(model_dirs):
 
 # Gemma 2: soft caps and windows on sharded heads; Phi-3: fused checkpoint projections split per rank; OLMo 2: q/k
 # norms over the whole projection, gathered from the ranks; Qwen3-MoE: every expert's intermediate dimension split,
-# the weighted sum over experts all-reduced.
-TP_FAMILIES = ("qwen3", "llama", "gemma2", "phi3", "olmo2", "qwen3_moe")
+# the weighted sum over experts all-reduced; gpt-oss: attention sinks split with their heads, expert biases added once.
+TP_FAMILIES = ("qwen3", "llama", "gemma2", "phi3", "olmo2", "qwen3_moe", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)

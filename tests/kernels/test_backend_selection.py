@@ -184,3 +184,26 @@ def test_flash_attn_backend_calls_match_the_reference(monkeypatch, installed, pa
     assert calls == [expected_call]
     expected = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.125)
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_flash_attn_backend_runs_layers_with_sinks_on_the_triton_kernels(monkeypatch, installed, paged_batch):
+    """flash-attn has no attention sinks (gpt-oss): such a layer runs on our Triton kernels over the same cache."""
+    pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[dev]'")
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn", make_fake_flash_attn(calls))
+    installed(flash_attn=True, triton=True)
+    from nanoinfer.platforms.cuda import CudaPlatform
+
+    attn = CudaPlatform().attention_backend("flash-attn")
+    batch = paged_batch([(299, 1), (0, 12), (250, 9)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=256,
+                        dtype=torch.bfloat16)  # fmt: skip
+    store_kvcache_reference(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+    sinks = torch.tensor([-2.0, 0.5, 2.0, 5.0], device=batch.query.device)
+
+    out = attn.forward(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.125,
+                       new_kv=(batch.key, batch.value), sliding_window=24, sinks=sinks)  # fmt: skip
+
+    assert calls == []
+    expected = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.125,
+                                         sliding_window=24, sinks=sinks)  # fmt: skip
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)

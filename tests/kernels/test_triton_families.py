@@ -19,8 +19,8 @@ from nanoinfer.testing.hf_reference import hf_greedy
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 # The families whose attention differs: windows (Mistral, Gemma 2 and 3, Phi-3, OLMo 3), soft caps (Gemma 2),
-# q/k norms (Gemma 3, OLMo 2), no-rope layers (SmolLM3), partial rotary (Phi-4-mini).
-FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "phi4_mini", "smollm3", "olmo2", "olmo3"]
+# q/k norms (Gemma 3, OLMo 2), no-rope layers (SmolLM3), partial rotary (Phi-4-mini), sinks (gpt-oss).
+FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "phi4_mini", "smollm3", "olmo2", "olmo3", "gpt_oss"]
 NUM_TOKENS = 8
 
 

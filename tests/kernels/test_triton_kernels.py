@@ -254,14 +254,24 @@ def test_backend_stores_then_attends_like_the_reference(paged_batch, monkeypatch
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
 
 
-# --- sliding window and soft cap (Mistral, Gemma 2 and 3, OLMo 3) ------------------------------------
+# --- sliding window, soft cap and sinks (Mistral, Gemma 2 and 3, OLMo 3, gpt-oss) ----------------------
 
-
+SINKS = [-2.0, 0.5, 2.0, 5.0]  # one a query head (4); up to most of the softmax's weight
 MASKS = [
     pytest.param(dict(sliding_window=24), id="window24"),
     pytest.param(dict(soft_cap=5.0), id="softcap5"),
     pytest.param(dict(sliding_window=100, soft_cap=20.0), id="window100-softcap20"),
+    pytest.param(dict(sinks=SINKS), id="sinks"),
+    pytest.param(dict(sliding_window=24, sinks=SINKS), id="window24-sinks"),
+    pytest.param(dict(soft_cap=5.0, sinks=SINKS), id="softcap5-sinks"),
 ]
+
+
+def on_device(mask: dict, device) -> dict:
+    """The mask's keywords with its sinks as the kernels take them: float32 [H_q] on the batch's device."""
+    if "sinks" not in mask:
+        return mask
+    return dict(mask, sinks=torch.tensor(mask["sinks"], dtype=torch.float32, device=device))
 
 
 def assert_matches_masked_reference(out, batch, mask):
@@ -277,6 +287,7 @@ def test_decode_with_window_and_soft_cap_matches_reference(paged_batch, mask, nu
     batch = paged_batch([(0, 1), (23, 1), (24, 1), (299, 1), (700, 1)], num_heads=4, num_kv_heads=2, head_dim=64,
                         block_size=256)  # fmt: skip
     md = batch.metadata
+    mask = on_device(mask, batch.query.device)
     out = paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
                                  md.max_seq_len, 64**-0.5, num_splits=num_splits, **mask)  # fmt: skip
     assert_matches_masked_reference(out, batch, mask)
@@ -288,6 +299,7 @@ def test_prefill_with_window_and_soft_cap_matches_reference(paged_batch, mask):
     batch = paged_batch([(0, 130), (250, 20), (40, 3), (0, 5)], num_heads=4, num_kv_heads=2, head_dim=64,
                         block_size=256)  # fmt: skip
     md = batch.metadata
+    mask = on_device(mask, batch.query.device)
     out = paged_prefill_attention(batch.query, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens,
                                   md.query_start_loc, md.max_query_len, 64**-0.5, **mask)  # fmt: skip
     assert_matches_masked_reference(out, batch, mask)

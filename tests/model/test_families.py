@@ -28,9 +28,11 @@ FAMILIES = [
     "olmo3",
     "gemma4",
     "gemma4_multimodal",
+    "gemma4_moe",
     "qwen3_moe",
     "qwen3_moe_mixed",
     "mixtral",
+    "gpt_oss",
 ]
 NUM_TOKENS = 24
 # Log-probabilities: the engine's float32 logits agree with transformers' to 1e-4 (summation order only; the

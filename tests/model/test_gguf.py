@@ -2,9 +2,10 @@
 writes each architecture, in every tensor type nanoinfer loads, run from the .gguf file itself; greedy float32
 tokens equal transformers' on the same file (its own GGUF loader, dequantizing with the gguf package) and the
 Hugging Face folder each file came from. Llama 3's rope scaling comes back from its rope_freqs tensor, split
-files load from their shards, Q4_0 / Q4_1 blocks reach the CPU 4-bit GEMM as they are, MoE files (qwen3moe, and
-Mixtral as a llama with experts) load their stacked expert tensors; unsupported types and architectures, missing
-shards and missing or mis-shaped expert tensors are clear errors."""
+files load from their shards, Q4_0 / Q4_1 blocks reach the CPU 4-bit GEMM as they are, MoE files (qwen3moe,
+Mixtral as a llama with experts, gpt-oss with its sinks, biases, YaRN and MXFP4 experts) load their stacked expert
+tensors; unsupported types and architectures, missing shards and missing or mis-shaped expert (or sink) tensors are
+clear errors."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typer.testing import CliRunner
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.cli import app
 from nanoinfer.errors import ModelLoadError, NanoInferError
+from nanoinfer.models.gpt_oss import dequantize_mxfp4
 from nanoinfer.models.llama import llama3_rope_scaling
 from nanoinfer.models.weights import gguf as gguf_format
 from nanoinfer.platforms.cpu import linear as cpu_linear
@@ -117,6 +119,19 @@ def test_a_llama3_gguf_gets_its_rope_scaling_back_from_rope_freqs(gguf_dir):
     llm, ids, ours = run(path)
     scaling = json.loads((Path(llm.config.model) / "config.json").read_text())["rope_scaling"]
     assert scaling == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}  # the folder's, exactly
+    assert ours == hf_greedy(path.with_suffix(".hf"), ids, NUM_TOKENS)[0]
+
+
+def test_a_yarn_gguf_gets_its_rope_scaling_back_from_the_metadata(gguf_dir):
+    # TextModel's keys: type, factor, original context, beta_fast / beta_slow where the config sets them
+    folder = gguf_dir / "yarn"
+    folder.mkdir()
+    yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=16.0,
+                beta_slow=2.0)  # fmt: skip
+    path = build_tiny_gguf("qwen3", folder / "model.gguf", rope_parameters=yarn, max_position_embeddings=256)
+    llm, ids, ours = run(path)
+    scaling = json.loads((Path(llm.config.model) / "config.json").read_text())["rope_scaling"]
+    assert scaling == {k: v for k, v in yarn.items() if k != "rope_theta"}
     assert ours == hf_greedy(path.with_suffix(".hf"), ids, NUM_TOKENS)[0]
 
 
@@ -258,12 +273,12 @@ def test_an_unsupported_tensor_type_is_an_error_naming_it(gguf_dir, monkeypatch)
         LLM(str(bad), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
 
 
-def write_stub(path, arch: str, **metadata) -> None:
+def write_stub(path, arch: str, block_count: int = 1, **metadata) -> None:
     """A GGUF of `arch` with an embedding and the given metadata only: enough to be refused."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
+    writer.add_block_count(block_count)
     writer.add_embedding_length(4)
     writer.add_head_count(1)
     for key, value in metadata.items():
@@ -327,9 +342,11 @@ def test_a_llama_gguf_without_experts_stays_llama_and_one_with_experts_runs_as_m
     assert gguf_format.GGUFModel(build(gguf_dir, "mixtral", "F32")).family.__name__ == "MixtralForCausalLM"
 
 
-def test_fused_gate_up_experts_load_as_gate_and_up(gguf_dir):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fused_gate_up_experts_load_as_gate_and_up(gguf_dir, family):
     # llama.cpp's --fuse-gate-up-exps: one [experts, 2 x width, hidden] tensor, each expert's gate rows then its up
-    path = build(gguf_dir, "qwen3_moe", "F32")
+    # (and gpt-oss's biases likewise, [experts, 2 x width])
+    path = build(gguf_dir, family, "F32")
 
     def fuse(tensors):
         fused = {}
@@ -341,7 +358,7 @@ def test_fused_gate_up_experts_load_as_gate_and_up(gguf_dir):
                 fused[name] = values
         return fused
 
-    fused = rewrite_gguf(path, gguf_dir / "fused" / "model.gguf", fuse)
+    fused = rewrite_gguf(path, gguf_dir / f"fused-{family}" / "model.gguf", fuse)
     assert run(fused)[2] == run(path)[2]
 
 
@@ -370,3 +387,76 @@ def test_a_gguf_with_experts_but_no_expert_used_count_is_refused(tmp_path):
     write_stub(tmp_path / "moe.gguf", "llama", expert_count=8)
     with pytest.raises(ModelLoadError, match="needs llama.expert_count and llama.expert_used_count"):
         LLM(str(tmp_path / "moe.gguf"), device="cpu")
+
+
+# ---- gpt-oss: attention sinks, q/k/v/o and expert biases, YaRN, alternating windows, experts in MXFP4 -------------
+@pytest.mark.parametrize("kind", ["F32", "MXFP4"])
+def test_gpt_oss_gguf_greedy_tokens_equal_the_weights_it_holds(gguf_dir, kind):
+    # float32: the HF folder the file came from; MXFP4 (the experts only, as llama.cpp's converter writes a published
+    # checkpoint): that folder with the experts' weights rounded to what the file's blocks hold, which transformers
+    # runs as float32. The prompts reach past the sliding layers' window.
+    path = build(gguf_dir, "gpt_oss", kind)
+    expert_types = {t.tensor_type.name for t in gguf_format.GGUFModel(path).tensors if "_exps.weight" in t.name}
+    assert expert_types == {kind}
+    llm, ids, ours = run(path)
+    assert llm.config.hf_config.architectures == ["GptOssForCausalLM"]
+    folder = path.with_suffix(".hf") if kind == "F32" else stored_weights_folder(path, kind)
+    assert ours == hf_greedy(folder, ids, NUM_TOKENS)[0]
+
+
+def test_a_gpt_oss_gguf_gets_its_config_as_llama_cpp_runs_it(gguf_dir, tmp_path):
+    # the source folder's YaRN (truncate false, as every gpt-oss config), windows on even layers (llama.cpp's pattern
+    # 2), the SwiGLU constants llama.cpp hard-codes (gpt-oss's published alpha 1.702 and limit 7)
+    path = build(gguf_dir, "gpt_oss", "F32")
+    config = json.loads((Path(run(path)[0].config.model) / "config.json").read_text())
+    source = json.loads((path.with_suffix(".hf") / "config.json").read_text())
+    assert config["rope_scaling"] == {k: v for k, v in source["rope_parameters"].items() if k != "rope_theta"}
+    assert config["rope_theta"] == source["rope_parameters"]["rope_theta"]
+    for key in ("layer_types", "sliding_window", "swiglu_alpha", "swiglu_limit", "attention_bias", "head_dim",
+                "intermediate_size", "num_local_experts", "num_experts_per_tok", "max_position_embeddings"):
+        assert config[key] == source[key], key
+    assert (config["swiglu_limit"], config["layer_types"]) == (7.0, ["sliding_attention", "full_attention"])
+    # a file with llama.cpp's optional attention.sliding_window_pattern: layer i slides when i % n < n - 1
+    write_stub(tmp_path / "pattern.gguf", "gpt-oss", block_count=4, expert_count=8, expert_used_count=2,
+               sliding_window=24, sliding_window_pattern=3)  # fmt: skip
+    layer_types = gguf_format.hf_config(gguf_format.GGUFModel(tmp_path / "pattern.gguf"))["layer_types"]
+    assert layer_types == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="even layers"):  # and the writer refuses a model llama.cpp cannot run
+        build_tiny_gguf("gpt_oss", tmp_path / "odd" / "model.gguf", layer_types=["full_attention"] * 2)
+
+
+def converter_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GptOssModel.repack_mxfp4 in llama.cpp's converter: HF's blocks [..., G, 16] (code 2j in byte j's low nibble,
+    2j + 1 in its high one) and scales [..., G] -> GGML's MXFP4 blocks [..., G * 17]: the scale byte, then code j in
+    byte j's low nibble and code j + 16 in its high one."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], packed], axis=-1).reshape(*scales.shape[:-1], -1).astype(np.uint8)
+
+
+def test_gguf_mxfp4_reads_a_published_checkpoints_blocks_as_its_hf_loader_does():
+    # the same bytes through both readings: HF's *_blocks / *_scales (models/gpt_oss.dequantize_mxfp4) and, repacked
+    # as llama.cpp's converter repacks them, the GGUF's MXFP4 tensor (the gguf package's dequantizer)
+    import gguf
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(3, 8, 2, 16), dtype=np.uint8)
+    scales = rng.integers(118, 136, size=(3, 8, 2), dtype=np.uint8)
+    ggml = gguf.quants.dequantize(converter_mxfp4(blocks, scales), gguf.GGMLQuantizationType.MXFP4)
+    hf = dequantize_mxfp4(torch.from_numpy(blocks), torch.from_numpy(scales))
+    assert ggml.shape == (3, 8, 64)
+    np.testing.assert_array_equal(ggml, hf.numpy())
+
+
+@pytest.mark.parametrize("edit, message", [
+    (without_tensor("blk.1.attn_sinks.weight"), "tensor blk.1.attn_sinks.weight is missing"),
+    (without_tensor("blk.0.ffn_gate_exps.bias"), "tensor blk.0.ffn_gate_exps.bias is missing"),
+    (without_tensor("blk.1.ffn_down_exps.bias"), "tensor blk.1.ffn_down_exps.bias is missing"),
+    (first_experts_only("blk.0.ffn_up_exps.bias", 4),
+     r"tensor blk.0.ffn_up_exps.bias has shape \(4, 32\) \[experts, rows\], but the model its metadata describes "
+     r"takes \(8, 32\)"),
+], ids=["sinks", "gate-bias", "down-bias", "mis-shaped-bias"])  # fmt: skip
+def test_a_missing_gpt_oss_sinks_or_expert_bias_tensor_is_an_error_naming_it(gguf_dir, tmp_path, edit, message):
+    bad = rewrite_gguf(build(gguf_dir, "gpt_oss", "F32"), tmp_path / "bad" / "model.gguf", edit)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(bad), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)

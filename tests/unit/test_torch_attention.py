@@ -359,3 +359,51 @@ def test_sliding_window_and_soft_cap_match_the_reference(use_kernel, bf16, case,
     # float32: summation order only; bfloat16: the inputs' and output's rounding (a few ulps at 1.0 = 0.0078)
     tolerance = dict(atol=3e-2, rtol=3e-2) if bf16 else dict(atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+SINK_CASES = [
+    # (query_lens, seq_lens, window, soft cap), every case with sinks: decode rows of one key and of many; fresh
+    # and chunked prompts, under a sliding window (gpt-oss's odd layers) and over the whole context; with a soft cap
+    ([1, 1, 1, 1], [1, 24, 25, 700], None, None),
+    ([1, 37, 1, 20], [300, 37, 513, 290], 24, None),
+    ([1, 37, 1, 20], [300, 37, 513, 290], None, 5.0),
+    ([12, 1, 30], [12, 20, 30], 64, None),
+]
+SINKS = torch.tensor([-2.0, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0])  # one a query head (8); up to most of the weight
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", SINK_CASES)
+def test_attention_sinks_match_the_reference(use_kernel, bf16, case, monkeypatch):
+    """gpt-oss's sinks (one more logit a head in the softmax, with no value) on both backends: the C++ decode and
+    prefill kernels take every such step themselves."""
+    if use_kernel and cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    if use_kernel:
+        def no_fallback(*args, **kwargs):
+            raise AssertionError("a step with sinks fell back to plain torch")
+
+        monkeypatch.setattr(TorchBackend, "_prefill_one", no_fallback)
+    query_lens, seq_lens, window, cap = case
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    query, k_cache, v_cache, metadata = make_batch(query_lens, seq_lens, 8, 2, 64, 256, dtype)
+    mask = dict(sliding_window=window, soft_cap=cap)
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125, sinks=SINKS, **mask)
+    without = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125, **mask)
+    assert not torch.allclose(expected.float(), without.float(), atol=1e-2)
+    got = make_backend(use_kernel).forward(query, k_cache, v_cache, metadata, 0.125, sinks=SINKS, **mask)
+    tolerance = dict(atol=3e-2, rtol=3e-2) if bf16 else dict(atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+def test_decode_run_of_one_sequences_rows_keeps_each_rows_sinks():
+    """Consecutive rows of one sequence (speculative decoding's layout), which the C++ decode kernel otherwise
+    runs as one row: with sinks each row still gets its own softmax, sink included."""
+    if cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    query, k_cache, v_cache, metadata = make_batch([1, 1, 1], [40, 41, 42], 8, 2, 64, 256, torch.float32)
+    metadata.block_tables[1:] = metadata.block_tables[0]
+    expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125, sinks=SINKS)
+    got = make_backend(True).forward(query, k_cache, v_cache, metadata, 0.125, sinks=SINKS)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)

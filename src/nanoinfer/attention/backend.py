@@ -26,10 +26,11 @@ class AttentionBackend(Protocol):
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
         scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, sliding_window: int | None = None,
-        soft_cap: float | None = None,
+        soft_cap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention output [num_tokens, H_q, D]. sliding_window W: a query at position p sees keys p - W + 1..p
-        (transformers' rule); soft_cap c: scores become c * tanh(scores / c) before the softmax (Gemma 2).
+        (transformers' rule); soft_cap c: scores become c * tanh(scores / c) before the softmax (Gemma 2);
+        sinks: float32 [H_q], one extra logit per head in the softmax's sum that contributes no value (gpt-oss).
         `new_kv` holds this step's keys/values (already stored
         in the cache); a backend may read them directly instead of the cache where that is faster."""
         ...

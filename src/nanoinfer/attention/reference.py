@@ -44,12 +44,15 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, H_q, D] over each sequence's cached context.
 
     Query token j of a sequence with query_len q and seq_len s sits at position p = s - q + j and attends
     to positions 0..p, or with a sliding window W to p - W + 1..p. A soft cap c maps each score x (after the
-    scale) to c * tanh(x / c). Grouped-query attention: query head h reads KV head h // (H_q // H_kv).
+    scale) to c * tanh(x / c). Attention sinks [H_q] (gpt-oss): one more logit per head in the softmax, with no
+    value: out = sum_i e^(s_i) v_i / (sum_i e^(s_i) + e^(sink)). Grouped-query attention: query head h reads
+    KV head h // (H_q // H_kv).
     """
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -75,6 +78,10 @@ def paged_attention_reference(
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # a last column per head: its probability is dropped, its weight stays in the sum
+            sink_column = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

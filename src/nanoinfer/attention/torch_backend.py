@@ -102,9 +102,9 @@ class TorchBackend:
         return self._plan[1]
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, new_kv=None,
-                sliding_window: int | None = None, soft_cap: float | None = None):
+                sliding_window: int | None = None, soft_cap: float | None = None, sinks: torch.Tensor | None = None):
         plan = self.step_plan(metadata, query.device)
-        mask = AttentionMask(scale, sliding_window, soft_cap)
+        mask = AttentionMask(scale, sliding_window, soft_cap, sinks)
         out = torch.empty_like(query)
         if plan.decode_ids:
             self._decode(query, k_cache, v_cache, plan, mask, out)
@@ -155,7 +155,8 @@ class TorchBackend:
                 pad |= key_pos < lens_t.unsqueeze(1) - window  # behind the window: never read
             scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
             v = v.masked_fill(pad[:, :, None, None], 0)  # padded slots may be unwritten (NaN * 0 = NaN)
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        probs = mask.softmax(scores.float().reshape(batch, -1, 1, max_len)).to(v.dtype)  # [B, H_q, 1, L]
+        probs = probs.view(batch, num_kv_heads, group, max_len)
         return torch.matmul(probs, v.permute(0, 2, 1, 3)).reshape(batch, -1, head_dim)  # [B, H_q, D]
 
     def _prefill_one(self, query, k_cache, v_cache, metadata, mask: AttentionMask, i, starts, q_len, seq_len, new_kv,
@@ -180,8 +181,8 @@ class TorchBackend:
         # 4-D [1, H, L, D]: on CPU only 4-D inputs reach torch's flash kernel; 3-D ones take the math path,
         # which builds the causal mask and the full score matrix (3-5x slower at 256-1024 tokens).
         q, k, v = q.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if mask.soft_cap is not None:
-            o = _capped_attention(q, k, v, mask, seq_len)  # SDPA has no soft cap
+        if mask.soft_cap is not None or mask.sinks is not None:
+            o = _eager_attention(q, k, v, mask, seq_len)  # SDPA has neither soft caps nor sinks
         elif seq_len == q_len and mask.sliding_window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=mask.scale, enable_gqa=True)
         else:
@@ -193,15 +194,24 @@ class TorchBackend:
 @dataclass(frozen=True)
 class AttentionMask:
     """What a layer's attention sees and how it weighs it: the score scale, the sliding window (None: every
-    earlier position) and the soft cap on scores (None: none)."""
+    earlier position), the soft cap on scores (None: none) and the attention sinks (float32 [H_q], None: none)."""
 
     scale: float
     sliding_window: int | None = None
     soft_cap: float | None = None
+    sinks: torch.Tensor | None = None
 
     def cap(self, scores: torch.Tensor) -> torch.Tensor:
         """c * tanh(scores / c), in transformers' order (after the scale, before the mask)."""
         return scores if self.soft_cap is None else torch.tanh(scores / self.soft_cap) * self.soft_cap
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """Softmax over the last dim of float32 scores [..., H_q, q_len, L] (heads third from the end), with each
+        head's sink logit in the sum as transformers' eager gpt-oss attention adds it (a last column, dropped)."""
+        if self.sinks is None:
+            return torch.softmax(scores, dim=-1)
+        sinks = self.sinks.float().reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
 
     def visible(self, q_len: int, seq_len: int, device) -> torch.Tensor:
         """[q_len, seq_len] bool: may query j (at position seq_len - q_len + j) read key position k?"""
@@ -213,13 +223,13 @@ class AttentionMask:
         return visible
 
 
-def _capped_attention(q, k, v, mask: AttentionMask, seq_len: int) -> torch.Tensor:
-    """Attention with soft-capped scores, as transformers' eager attention computes it: [1, H_q, q_len, D]."""
+def _eager_attention(q, k, v, mask: AttentionMask, seq_len: int) -> torch.Tensor:
+    """Attention with soft-capped scores or sinks, as transformers' eager attention computes it: [1, H_q, q_len, D]."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = mask.cap(torch.matmul(q, k.transpose(-1, -2)) * mask.scale)
     scores = scores.masked_fill(~mask.visible(q.shape[2], seq_len, q.device), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    return torch.matmul(mask.softmax(scores.float()).to(q.dtype), v)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,6 +28,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", "mixtral"),
     # gpt-oss entry
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM", "gpt_oss"),
 }
 # GGUF general.architecture -> HF architecture
 _GGUF = {
@@ -42,6 +43,7 @@ _GGUF = {
     # phi3 / olmo2 GGUF entries
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # GGUF general.architecture -> HF architecture, for files with experts (expert_count > 0): llama.cpp's converter
 # writes Mixtral as a llama with experts

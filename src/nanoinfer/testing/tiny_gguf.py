@@ -2,10 +2,12 @@
 (convert_hf_to_gguf.py) writes them: its tensor names (the gguf package's own TensorNameMap, the converter's),
 its metadata keys per architecture, Llama's (and Mixtral's) q/k rows in GGML's rotary order, Gemma's norms with the
 1 of (1 + w) folded in, rope scaling as llama.cpp stores it (Llama 3's `rope_freqs`, Phi-3's longrope factor
-tensors), each projection of a MoE layer's experts stacked into one [experts, rows, columns] tensor, the tokenizer
-in the metadata, optionally split into shards as gguf-split does. The linears (experts included) take the tensor
-type asked for; norms and routers stay F32, the embedding F16 (as llama.cpp's quantizer leaves small and sensitive
-tensors).
+tensors, YaRN's keys), each projection of a MoE layer's experts stacked into one [experts, rows, columns] tensor
+(gpt-oss's interleaved gate/up split in two), the tokenizer in the metadata, optionally split into shards as
+gguf-split does. The linears (experts included) take the tensor type asked for; norms, biases and routers stay
+F32, the embedding F16 (as llama.cpp's quantizer leaves small and sensitive tensors). MXFP4 is the experts' type
+only, as the converter writes a published gpt-oss checkpoint (its experts' blocks repacked, the rest as --outtype,
+here F32).
 
 Everything here is the writer's side: nanoinfer's reader (models/weights/gguf.py and the families' GGUF hooks)
 never shares code with it, so the tests check one against the other.
@@ -28,6 +30,7 @@ K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 ARCHITECTURES = {
     "llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA", "gemma2": "GEMMA2", "gemma3": "GEMMA3",
     "phi3": "PHI3", "phi4_mini": "PHI3", "olmo2": "OLMO2", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA",
+    "gpt_oss": "GPT_OSS",
 }  # fmt: skip
 # Llama 3.1's rope scaling (its published config.json), for build_tiny_gguf("llama", ..., rope_parameters=LLAMA3_ROPE)
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -38,12 +41,15 @@ def gguf_options(family: str, model_kwargs: dict) -> dict:
     """Tiny-model options the family's GGUF must have, because llama.cpp's file cannot say otherwise (the
     caller's model_kwargs still win): Gemma 2 / 3 scale scores by head_dim ** -0.5 (query_pre_attn_scalar is not
     written; llama.cpp uses head_dim below 27B); Gemma 3's global layers are every 6th (its sliding_window_pattern
-    is fixed, so six layers show both kinds) and its converter refuses an attention soft cap."""
+    is fixed, so six layers show both kinds) and its converter refuses an attention soft cap; gpt-oss's SwiGLU clamp
+    is llama.cpp's constant 7 (its graph hard-codes gpt-oss's published limit)."""
     head_dim = model_kwargs.get("head_dim", 16)
     if family == "gemma2":
         return dict(query_pre_attn_scalar=head_dim)
     if family == "gemma3":
         return dict(query_pre_attn_scalar=head_dim, num_layers=6, attn_logit_softcapping=None)
+    if family == "gpt_oss":
+        return dict(swiglu_limit=7.0)
     return {}
 
 
@@ -93,10 +99,13 @@ def build_tiny_gguf(family: str, path: str | Path, tensor_type: str = "F32", *, 
 
 
 def _stored_type(name: str, data: np.ndarray, tensor_type: str) -> str:
-    """The type a tensor is written in: vectors and MoE routers (ffn_gate_inp, which the converter and
-    llama-quantize keep) F32, the embedding and head F16, every other matrix (the experts' stacks too) `tensor_type`."""
-    if data.ndim == 1 or name.endswith(".gate.weight"):
+    """The type a tensor is written in: vectors, biases (the experts' too) and MoE routers (ffn_gate_inp, which the
+    converter and llama-quantize keep) F32, the embedding and head F16, every other matrix (the experts' stacks too)
+    `tensor_type`; MXFP4: the experts' stacks (the only 3-D tensors) MXFP4, everything else F32."""
+    if data.ndim == 1 or name.endswith(("bias", ".gate.weight", ".router.weight")):
         return "F32"
+    if tensor_type == "MXFP4":
+        return "MXFP4" if data.ndim == 3 else "F32"
     return "F16" if name in ("model.embed_tokens.weight", "lm_head.weight") else tensor_type
 
 
@@ -104,8 +113,9 @@ def stored_weights_folder(path: str | Path, tensor_type: str) -> Path:
     """The Hugging Face folder of the weights build_tiny_gguf(..., tensor_type) wrote to `path`: its source folder
     with each tensor quantized as written and dequantized again by the gguf package, at path.with_suffix(
     ".stored.hf"), for transformers to run what the file holds where it cannot read the file itself. Each HF
-    tensor round-trips alone: the file's blocks run along rows, which stacking experts or reordering q/k rows keeps.
-    Not for K-quants (their blocks are random bytes)."""
+    tensor round-trips alone: the file's blocks run along rows, which stacking experts or reordering q/k rows keeps
+    (gpt-oss's fused experts, [E, columns, rows], round-trip transposed). Not for K-quants (their blocks are random
+    bytes)."""
     import gguf
     import torch
     from safetensors.torch import load_file, save_file
@@ -116,11 +126,17 @@ def stored_weights_folder(path: str | Path, tensor_type: str) -> Path:
     source, out = path.with_suffix(".hf"), path.with_suffix(".stored.hf")
     shutil.copytree(source, out, dirs_exist_ok=True)
     tensors = {}
+    gpt_oss = json.loads((source / "config.json").read_text())["model_type"] == "gpt_oss"
     for name, tensor in load_file(str(source / "model.safetensors")).items():
         data = tensor.to(torch.float32).numpy()
         kind = gguf.GGMLQuantizationType[_stored_type(name, data, tensor_type)]
+        transposed = gpt_oss and data.ndim == 3
+        if transposed:
+            data = data.transpose(0, 2, 1)
         if kind != gguf.GGMLQuantizationType.F32:
-            data = gguf.quants.dequantize(gguf.quants.quantize(data, kind), kind)
+            data = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(data), kind), kind)
+        if transposed:
+            data = data.transpose(0, 2, 1)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(tensor.dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -135,7 +151,10 @@ def _rope(config: dict) -> dict:
 
 def _converted(family: str, config: dict, tensors: dict):
     """(HF name, values) of the checkpoint's tensors as the converter's modify_tensors gives them."""
-    for name, data in _stacked_experts(family, tensors).items():
+    items = _stacked_experts(family, tensors).items()
+    if family == "gpt_oss":
+        items = [converted for name, data in items for converted in _gpt_oss_tensors(name, data)]
+    for name, data in items:
         if name == "lm_head.weight" and (config.get("tie_word_embeddings") or family in ("gemma", "gemma2")):
             continue  # a tied head is the embedding; Gemma's converters drop lm_head always
         if ARCHITECTURES[family] == "LLAMA" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
@@ -168,6 +187,27 @@ def _stacked_experts(family: str, tensors: dict) -> dict:
     for merged, experts in stacks.items():
         result[merged] = np.stack([data for _, data in sorted(experts, key=lambda item: item[0])])
     return result
+
+
+def _gpt_oss_tensors(name: str, data: np.ndarray):
+    """GptOssModel's filter_tensors / modify_tensors on a float checkpoint: the sinks named `.weight`; the experts'
+    [E, H, 2I] gate_up_proj transposed to [E, 2I, H] and its interleaved rows split (gate j at row 2j, up j at
+    2j + 1) into gate_proj and up_proj, its bias likewise; down_proj transposed to [E, H, I]."""
+    if name.endswith(".self_attn.sinks"):
+        yield f"{name}.weight", data
+    elif name.endswith("experts.gate_up_proj"):
+        rows = data.transpose(0, 2, 1)
+        yield name.replace("gate_up_proj", "gate_proj.weight"), np.ascontiguousarray(rows[:, 0::2])
+        yield name.replace("gate_up_proj", "up_proj.weight"), np.ascontiguousarray(rows[:, 1::2])
+    elif name.endswith("experts.gate_up_proj_bias"):
+        yield name.replace("gate_up_proj_bias", "gate_proj.bias"), np.ascontiguousarray(data[:, 0::2])
+        yield name.replace("gate_up_proj_bias", "up_proj.bias"), np.ascontiguousarray(data[:, 1::2])
+    elif name.endswith("experts.down_proj"):
+        yield f"{name}.weight", np.ascontiguousarray(data.transpose(0, 2, 1))
+    elif name.endswith("experts.down_proj_bias"):
+        yield name.replace("down_proj_bias", "down_proj.bias"), data
+    else:
+        yield name, data
 
 
 def _extra_tensors(family: str, config: dict):
@@ -217,6 +257,18 @@ def _text_model(writer, config: dict, rope: dict) -> None:
 
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(full["factor"])
+    if full.get("rope_type") == "yarn":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        for key, add in (("extrapolation_factor", writer.add_rope_scaling_yarn_ext_factor),
+                         ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):  # fmt: skip
+            if full.get(key) is not None:
+                add(full[key])
     writer.add_rope_freq_base(full.get("rope_theta", rope.get("rope_theta")))
     if "sliding_attention" in rope:
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
@@ -296,8 +348,21 @@ def _phi3(writer, config: dict, rope: dict) -> None:
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
+def _gpt_oss(writer, config: dict, rope: dict) -> None:
+    """GptOssModel.set_gguf_parameters: TextModel's keys (YaRN's included), the window and the experts' width. Its
+    layer pattern (sliding from layer 0, every other one) is llama.cpp's fixed one: a model that differs is refused."""
+    expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config["num_hidden_layers"])]
+    if config.get("layer_types", expected) != expected:
+        raise ValueError("llama.cpp's gpt-oss slides its window on even layers and attends fully on odd ones: build "
+                         "the model with that layer_types")
+    _text_model(writer, config, rope)
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+
+
 _METADATA = {"LLAMA": _llama, "QWEN2": _text_model, "QWEN3": _text_model, "GEMMA": _gemma, "GEMMA2": _gemma2,
-             "GEMMA3": _gemma3, "PHI3": _phi3, "OLMO2": _text_model, "QWEN3MOE": _qwen3moe}  # fmt: skip
+             "GEMMA3": _gemma3, "PHI3": _phi3, "OLMO2": _text_model, "QWEN3MOE": _qwen3moe,
+             "GPT_OSS": _gpt_oss}  # fmt: skip
 
 
 def _add_quantized(writer, gguf, name: str, data: np.ndarray, qtype, rng) -> None:

@@ -82,6 +82,10 @@ def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidd
                 param.normal_(0.0 if config_class.startswith(_PLUS_ONE_NORMS) else 1.0, 0.1)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4 MoE's router scales: 1 at init only
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss's sink logits: as large as the tiny model's scores
+                param.normal_(0.0, 2.0)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale: 1 at init only
                 buffer.uniform_(0.5, 1.5)
@@ -151,6 +155,12 @@ TINY_FAMILIES = {
                 lambda n: dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None),
                 False),  # fmt: skip
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", lambda n: _gemma4_options(n), True),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", lambda n: _gpt_oss_options(n), False),
+    # the MoE variant (26B-A4B): experts beside every dense MLP; 8 experts of width 32, top 2
+    "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+                   lambda n: dict(_gemma4_options(n), enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                  moe_intermediate_size=32),
+                   True),  # fmt: skip
     # the published checkpoints' form: language_model.* beside a vision and an audio tower, run for its text part
     "gemma4_multimodal": ("Gemma4Config", "Gemma4ForConditionalGeneration",
                           lambda n: dict(text_config=_gemma4_options(n),
@@ -214,3 +224,15 @@ def _gemma4_options(num_layers: int) -> dict:
                 use_double_wide_mlp=True, hidden_size_per_layer_input=8,
                 vocab_size_per_layer_input=512,  # the tiny tokenizer's vocabulary (build_tokenizer)
                 final_logit_softcapping=3.0)
+
+
+def _gpt_oss_options(num_layers: int) -> dict:
+    """gpt-oss-20b's options: sliding and full layers alternating, YaRN as published (factor 32 over 4096 positions,
+    not truncated), the router's top 2 of 8 experts (4 of 32 published) of width 32; the SwiGLU clamp at 1 rather than
+    7, so that it bites on the tiny model's projections (about +-1)."""
+    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    rope = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                original_max_position_embeddings=4096)  # fmt: skip
+    return dict(layer_types=layer_types, sliding_window=24, rope_parameters=rope, num_local_experts=8,
+                num_experts_per_tok=2, intermediate_size=32, swiglu_limit=1.0, attention_bias=True,
+                max_position_embeddings=131072)  # 32 x 4096, as YaRN's factor says

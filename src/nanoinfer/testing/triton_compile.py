@@ -65,13 +65,14 @@ def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
 def record_launches() -> list[tuple[str, object, tuple, dict]]:
     """Run every launcher on small CPU inputs in each dtype combination the engine uses; (case, kernel, args,
     kwargs) for each launch."""
-    from nanoinfer.platforms.cuda.kernels import fused_ops, paged_attention
+    from nanoinfer.platforms.cuda.kernels import fused_moe, fused_ops, paged_attention
 
     store_module = sys.modules["nanoinfer.platforms.cuda.kernels.store_kvcache"]  # the package re-exports the function
     modules = {
         paged_attention: ("_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel"),
         store_module: ("_store_kvcache_kernel",),
         fused_ops: ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"),
+        fused_moe: ("_moe_align_kernel", "_moe_gemm_kernel", "_moe_sum_kernel"),
     }
     launches: list = []
     originals = {}
@@ -106,7 +107,9 @@ def _cases() -> dict[str, Callable[[], None]]:
             cache = torch.zeros(8, block, num_kv, head_dim, dtype=cache_dtype)
             tables = torch.zeros(3, 4, dtype=torch.int32)
             lens = torch.tensor([1, 300, 900], dtype=torch.int32)
-            masked = mask or {}
+            masked = dict(mask or {})
+            if masked.get("sinks"):  # sinks=True: one float32 logit a query head
+                masked["sinks"] = torch.zeros(num_kv * group, dtype=torch.float32)
             paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=1, **masked)
             paged_decode_attention(q, cache, cache, tables, lens, 1024, 0.1, num_splits=4, **masked)
             if variants:  # the decode variants benchmarks/tools/decode_variants.py measures on a GPU
@@ -136,6 +139,27 @@ def _cases() -> dict[str, Callable[[], None]]:
 
         return run
 
+    def experts(dtype, config, activations=("silu", "gelu_tanh", "swigluoai")):
+        # Qwen3-MoE's shape (E 128, k 8, H 2048, I 768); gpt-oss's clamped SwiGLU with its biases
+        def run():
+            from nanoinfer.platforms.cuda.kernels.fused_moe import fused_moe as moe
+
+            num_experts, hidden, intermediate = 128, 2048, 768
+            x = torch.zeros(4, hidden, dtype=dtype)
+            w13 = torch.zeros(num_experts, 2 * intermediate, hidden, dtype=dtype)
+            w2 = torch.zeros(num_experts, hidden, intermediate, dtype=dtype)
+            topk_weights, topk_ids = torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.long)
+            for activation in activations:
+                biases = {}
+                if activation == "swigluoai":
+                    biases = dict(w13_bias=torch.zeros(num_experts, 2 * intermediate, dtype=dtype),
+                                  w2_bias=torch.zeros(num_experts, hidden, dtype=dtype))  # fmt: skip
+                moe(x, w13, w2, topk_weights, topk_ids, activation=activation, config=config, **biases)
+
+        return run
+
+    from nanoinfer.platforms.cuda.kernels.fused_moe import DECODE_CONFIG, PREFILL_CONFIG
+
     return {
         "attention bf16": attention(torch.bfloat16, torch.bfloat16, variants=True),
         "attention bf16 over an fp8 e4m3 cache": attention(torch.bfloat16, torch.float8_e4m3fn, variants=True),
@@ -151,10 +175,19 @@ def _cases() -> dict[str, Callable[[], None]]:
         "attention bf16, sliding window": attention(torch.bfloat16, torch.bfloat16, mask=dict(sliding_window=512)),
         "attention bf16 head_dim 256 (Gemma), sliding window": attention(torch.bfloat16, torch.bfloat16, head_dim=256,
                                                                           group=4, mask=dict(sliding_window=512)),
+        "attention bf16 head_dim 64, GQA 8 (gpt-oss), sliding window and sinks": attention(
+            torch.bfloat16, torch.bfloat16, head_dim=64, group=8, mask=dict(sliding_window=128, sinks=True)),
+        "attention bf16 head_dim 64, GQA 8 (gpt-oss), sinks": attention(torch.bfloat16, torch.bfloat16, head_dim=64,
+                                                                        group=8, mask=dict(sinks=True)),
         "attention bf16 head_dim 512 (Gemma 4's global layers)": attention(torch.bfloat16, torch.bfloat16,
                                                                             head_dim=512, group=8),
         "small ops bf16": small_ops(torch.bfloat16),
         "small ops fp16": small_ops(torch.float16),
+        "experts bf16, decode tiles": experts(torch.bfloat16, DECODE_CONFIG),
+        "experts bf16, prefill tiles": experts(torch.bfloat16, PREFILL_CONFIG),
+        "experts fp16, decode tiles": experts(torch.float16, DECODE_CONFIG),
+        "experts fp16, prefill tiles": experts(torch.float16, PREFILL_CONFIG),
+        "experts fp32, decode tiles": experts(torch.float32, DECODE_CONFIG, activations=("silu",)),
     }
 
 

@@ -18,6 +18,7 @@ class Attention(nn.Module):
     scale: the score scale (head_dim ** -0.5 unless the family says otherwise, e.g. Gemma's query_pre_attn_scalar);
     sliding_window: keys at most this many positions back, the query's own included (None: all);
     soft_cap: attention-logit soft-capping (Gemma 2);
+    sinks: a learned logit per head added to the softmax's sum, with no value (gpt-oss's `self_attn.sinks`);
     q_norm / k_norm: a norm over each head (Qwen3, Gemma 3) or, with qk_norm_per_head=False, over the whole
     projection (OLMo 2: under tensor parallelism the norm reads every rank's part);
     rotary: None for a layer without position embedding (SmolLM3's no-rope layers)."""
@@ -25,8 +26,8 @@ class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  backend: AttentionBackend, rotary: RotaryEmbedding | None, *, qkv_bias: bool = False,
                  o_bias: bool = False, scale: float | None = None, sliding_window: int | None = None,
-                 soft_cap: float | None = None, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-                 qk_norm_per_head: bool = True):  # fmt: skip
+                 soft_cap: float | None = None, sinks: bool = False, q_norm: nn.Module | None = None,
+                 k_norm: nn.Module | None = None, qk_norm_per_head: bool = True):  # fmt: skip
         super().__init__()
         # The shard this layer holds, read once: rank 0 builds its shard under tensor parallelism, then runs it with
         # the process-wide setting back at 1.
@@ -39,6 +40,11 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.soft_cap = soft_cap
+        # The sink logits of this rank's heads; the model's dtype after model.to() (as transformers keeps them), handed
+        # to the backend in float32.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
+        if sinks:
+            self.sinks.weight_loader = self._load_sinks
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.qk_norm = q_norm is not None
@@ -68,9 +74,13 @@ class Attention(nn.Module):
         if output_rows is not None and output_rows.numel() == 0:  # only the keys and values were needed
             return hidden_states.new_empty(0, hidden_states.shape[-1])
         out = self.backend.forward(q, k_cache, v_cache, metadata, self.scale, new_kv=(k, v),
-                                   sliding_window=self.sliding_window, soft_cap=self.soft_cap)  # fmt: skip
+                                   sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+                                   sinks=None if self.sinks is None else self.sinks.float())  # fmt: skip
         out = out.reshape(-1, self.q_size)
         return self.o_proj(out if output_rows is None else out[output_rows])
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(0, self.tp_rank * self.num_heads, self.num_heads))
 
     def _whole_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A norm over the whole projection; a rank holds a slice of it, so it norms the gathered rows."""

@@ -13,7 +13,8 @@ in models/<family>.py): `gguf_config(gguf)` (config.json fields from the metadat
 `gguf_tensor_names` (GGUF block tensor -> HF module, where they differ from Llama's), `gguf_norm_offset` (a
 constant the converter added to every norm weight), `gguf_unpermute_qk` (q/k rows interleaved for GGML's rotary).
 Mixture-of-experts layers are generic too: llama.cpp writes each projection of all of a layer's experts as one
-tensor, [experts, rows, columns] (ffn_gate_exps, ffn_up_exps, ffn_down_exps), which loads as each expert's.
+tensor, [experts, rows, columns] (ffn_gate_exps, ffn_up_exps, ffn_down_exps; their biases [experts, rows]), which
+loads as each expert's.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import torch
 from nanoinfer.errors import ModelLoadError
 from nanoinfer.models import registry
 
-# What the gguf package dequantizes and nanoinfer was tested with; the K-quants are what Q4_K_M files hold.
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# What the gguf package dequantizes and nanoinfer was tested with; the K-quants are what Q4_K_M files hold, MXFP4
+# what gpt-oss's experts are published in (llama.cpp's converter repacks their blocks as they are).
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "MXFP4")
 BLOCK_TYPES = ("Q4_0", "Q4_1")  # read as blocks by the CPU float32 4-bit GEMM; all others are dequantized
 # llama.cpp's block tensor names -> HF module paths, as its converter maps a Llama; a family overrides some
 # (gguf_tensor_names: Gemma 2's sandwich norms, Phi-3's fused projections)
@@ -199,6 +202,25 @@ class GGUFModel:
     def tensor(self, name: str):
         return self._by_name.get(name)
 
+    def rope_scaling(self) -> dict | None:
+        """The rope scaling llama.cpp states in metadata alike for every architecture (what a family reads from its
+        tensors, e.g. Llama 3's rope_freqs, is its gguf_config's): linear, or YaRN with the keys the converter
+        writes from the HF config's (factor, original context, beta_fast / beta_slow, attention_factor)."""
+        kind = self.meta("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": self.meta_float("rope.scaling.factor")}
+        if kind == "yarn" and self.meta("rope.scaling.yarn_ext_factor", 1.0) == 1.0:  # HF's YaRN has no other
+            optional = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow",
+                        "attention_factor": "yarn_attn_factor"}  # fmt: skip
+            return {"rope_type": "yarn", "factor": self.meta_float("rope.scaling.factor"),
+                    "original_max_position_embeddings": self.meta("rope.scaling.original_context_length"),
+                    **{hf: self.meta_float(f"rope.scaling.{key}") for hf, key in optional.items()
+                       if self.meta(f"rope.scaling.{key}") is not None}}  # fmt: skip
+        raise ModelLoadError(f"{self.path}: rope scaling {kind!r} in a {self.arch} GGUF is not supported yet; use the "
+                             "model's Hugging Face folder instead.")
+
     def values(self, name: str) -> np.ndarray | None:
         """Tensor `name` dequantized to float32, or None when the file has none of that name."""
         from gguf import dequantize
@@ -235,7 +257,7 @@ def hf_config(model: GGUFModel) -> dict:
     }
     own = model.family.gguf_config(model)
     if "rope_scaling" not in own:
-        config["rope_scaling"] = _rope_scaling(model)
+        config["rope_scaling"] = model.rope_scaling()
     return config | own
 
 
@@ -245,18 +267,6 @@ def _vocab_size(model: GGUFModel) -> int:
     if embedding is not None:
         return int(embedding.shape[-1])  # GGML's dims: [hidden, vocab]
     return model.meta("vocab_size") or len(model.readers[0].fields["tokenizer.ggml.tokens"].data)
-
-
-def _rope_scaling(model: GGUFModel) -> dict | None:
-    """The rope scaling llama.cpp states in metadata alike for every architecture (what a family reads from its
-    tensors, e.g. Llama 3's rope_freqs, is its gguf_config's)."""
-    kind = model.meta("rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": model.meta_float("rope.scaling.factor")}
-    raise ModelLoadError(f"{model.path}: rope scaling {kind!r} in a {model.arch} GGUF is not supported yet; use the "
-                         "model's Hugging Face folder instead.")
 
 
 def write_metadata_folder(gguf_path: Path, out: Path) -> None:
@@ -278,14 +288,15 @@ def write_metadata_folder(gguf_path: Path, out: Path) -> None:
 def _gguf_tokenizer(gguf_path: Path):
     """The fast (tokenizers) tokenizer transformers builds from the GGUF's vocabulary and merges. AutoTokenizer
     first reads the file's model config, which transformers does for some architectures only (not gemma, olmo2);
-    the tokenizer needs none of it, so those go to the generic fast class."""
+    the tokenizer needs none of it, so those go to the generic fast class (as does gpt-oss: transformers 5's reader of
+    its config fails on the rope scaling keys with a TypeError)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     errors = []
     for tokenizer_class in (AutoTokenizer, PreTrainedTokenizerFast):
         try:
             return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        except (ValueError, KeyError, OSError, NotImplementedError) as e:
+        except (ValueError, KeyError, OSError, NotImplementedError, TypeError) as e:
             errors.append(e)
     raise ModelLoadError(f"{gguf_path}: its tokenizer cannot be converted by transformers ({errors[-1]}). Put the "
                          "model's tokenizer.json and config.json beside the GGUF.")
@@ -324,7 +335,10 @@ def hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
     if not match or match.group(2) not in layer_names:
         raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent nanoinfer knows.")
-    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{kind}"
+    module = layer_names[match.group(2)]
+    if module.endswith(".sinks"):  # a bare parameter in HF (gpt-oss's self_attn.sinks); the converter added .weight
+        return f"model.layers.{match.group(1)}.{module}"
+    return f"model.layers.{match.group(1)}.{module}.{kind}"
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -374,6 +388,7 @@ def _load_gguf_weights(model: torch.nn.Module, gguf: GGUFModel, hf_config) -> No
     loading = WeightLoading(model)
     layer_names = {**_LAYER_NAMES, **getattr(model, "gguf_tensor_names", {})}
     _check_experts(model, gguf, layer_names)
+    _check_sinks(model, gguf, layer_names)
     for tensor in gguf.tensors:
         if tensor.name.rpartition(".")[0] in CONFIG_TENSORS:
             continue  # already in config.json
@@ -425,8 +440,9 @@ def expert_parts(name: str, num_experts: int, values) -> list[tuple[str, object]
 
 
 def _check_experts(model: torch.nn.Module, gguf: GGUFModel, layer_names: dict[str, str]) -> None:
-    """Each MoE layer's expert tensors are in the file, shaped as the model its metadata describes takes them: a
-    missing or mis-shaped one is an error naming it (not a list of every expert's shards, nor torch's copy error)."""
+    """Each MoE layer's expert tensors (and their biases, where the experts have them) are in the file, shaped as the
+    model its metadata describes takes them: a missing or mis-shaped one is an error naming it (not a list of every
+    expert's shards, nor torch's copy error)."""
     stems = {hf: stem for stem, hf in layer_names.items()}
     for module_name, module in model.named_modules():
         match = re.fullmatch(r".*\blayers\.(\d+)\.(.+)", module_name)
@@ -440,19 +456,41 @@ def _check_experts(model: torch.nn.Module, gguf: GGUFModel, layer_names: dict[st
         fused = f"blk.{block}.{stems.get(f'{path}.gate_up_proj')}.weight"
         if gguf.tensor(fused) is not None:
             projections = {"gate_up_proj": (experts, 2 * width, hidden), "down_proj": projections["down_proj"]}
+        kinds = ("weight", "bias") if getattr(module, "w13_bias", None) is not None else ("weight",)
         for proj, shape in projections.items():
-            tensor_name = f"blk.{block}.{stems.get(f'{path}.{proj}')}.weight"
-            tensor = gguf.tensor(tensor_name)
-            if tensor is None:
-                raise ModelLoadError(f"{gguf.path}: tensor {tensor_name} is missing: layer {block} has {experts} "
-                                     "experts (expert_count), and llama.cpp writes each of their projections as "
-                                     "one tensor of all of them. The file is incomplete; convert the model again.")
-            found = tuple(int(n) for n in reversed(tensor.shape))  # GGML's dims are the reverse of torch's
-            if found != shape:
-                raise ModelLoadError(f"{gguf.path}: tensor {tensor_name} has shape {found} [experts, rows, "
-                                     f"columns], but the model its metadata describes takes {shape} (expert_count "
-                                     f"{experts}, embedding length {hidden}, expert feed-forward length {width}). "
-                                     "The file's metadata and tensors disagree; convert the model again.")
+            for kind in kinds:
+                _check_expert_tensor(gguf, f"blk.{block}.{stems.get(f'{path}.{proj}')}.{kind}",
+                                     shape if kind == "weight" else shape[:2], block, width)  # fmt: skip
+
+
+def _check_expert_tensor(gguf: GGUFModel, tensor_name: str, shape: tuple[int, ...], block: str, width: int) -> None:
+    experts, hidden = shape[0], gguf.meta("embedding_length")
+    tensor = gguf.tensor(tensor_name)
+    if tensor is None:
+        raise ModelLoadError(f"{gguf.path}: tensor {tensor_name} is missing: layer {block} has {experts} experts "
+                             "(expert_count), and llama.cpp writes each of their projections (and biases) as one "
+                             "tensor of all of them. The file is incomplete; convert the model again.")
+    found = tuple(int(n) for n in reversed(tensor.shape))  # GGML's dims are the reverse of torch's
+    if found != shape:
+        axes = "[experts, rows, columns]" if len(shape) == 3 else "[experts, rows]"
+        raise ModelLoadError(f"{gguf.path}: tensor {tensor_name} has shape {found} {axes}, but the model its metadata "
+                             f"describes takes {shape} (expert_count {experts}, embedding length {hidden}, expert "
+                             f"feed-forward length {width}). The file's metadata and tensors disagree; convert the "
+                             "model again.")
+
+
+def _check_sinks(model: torch.nn.Module, gguf: GGUFModel, layer_names: dict[str, str]) -> None:
+    """Each layer whose attention has sinks (gpt-oss) has its sinks tensor: a missing one is an error naming it."""
+    stem = {hf: stem for stem, hf in layer_names.items()}.get("self_attn.sinks")
+    for module_name, module in model.named_modules():
+        match = re.fullmatch(r".*\blayers\.(\d+)\.self_attn", module_name)
+        if match is None or getattr(module, "sinks", None) is None:
+            continue
+        tensor_name = f"blk.{match.group(1)}.{stem}.weight"
+        if gguf.tensor(tensor_name) is None:
+            raise ModelLoadError(f"{gguf.path}: tensor {tensor_name} is missing: the {gguf.arch} architecture's "
+                                 "attention has a learned sink logit per head in every layer. The file is incomplete; "
+                                 "convert the model again.")
 
 
 def _rotary_heads(model: torch.nn.Module, gguf_name: str, hf_config) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoinfer.platforms.cpu import linear as cpu_linear
+from nanoinfer.platforms.cpu import moe as cpu_moe
 from nanoinfer.platforms.cpu.kv_cache import LazyKVCache
 from nanoinfer.platforms.cpu.ops import cpu_ops_for
 from nanoinfer.platforms.cpu.process import setup_process
@@ -66,7 +67,7 @@ class CpuKernelPlatform(CpuPlatform):
         return getattr(self.ops, "simd", "built")
 
     def prepare_model(self, model) -> int:
-        return cpu_linear.prepack_linear_weights(model)
+        return cpu_linear.prepack_linear_weights(model) + cpu_moe.prepack_experts(model)
 
     def rms_norm(self, x, weight, eps, residual=None):
         if x.dtype in _KERNEL_DTYPES and weight.dtype == x.dtype:
@@ -102,6 +103,10 @@ class CpuKernelPlatform(CpuPlatform):
         if packed is not None and packed.gated:
             return cpu_linear.gated_linear(x, packed)
         return super().silu_and_mul_linear(layer, x)
+
+    def fused_moe(self, layer, x, topk_weights, topk_ids):
+        out = cpu_moe.fused_moe(layer, x, topk_weights, topk_ids)
+        return out if out is not None else super().fused_moe(layer, x, topk_weights, topk_ids)
 
     def has_greedy_lm_head(self, lm_head) -> bool:
         return cpu_linear.has_greedy_kernel(lm_head)

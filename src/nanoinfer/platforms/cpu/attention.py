@@ -2,8 +2,8 @@
 
 Decode sequences go to csrc/paged_attention.cpp (reading the cache in place, each row's last `window` keys under
 a sliding window), every prompt chunk of a step to csrc/prefill_attention.cpp in one call, the KV store to the C++
-store; both kernels take sliding windows and soft caps. Anything the kernels do not take (a dtype, a head size)
-falls to the plain-torch backend it extends.
+store; both kernels take sliding windows, soft caps and attention sinks. Anything the kernels do not take (a dtype, a
+head size) falls to the plain-torch backend it extends.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class CpuAttentionBackend(TorchBackend):
             return False
         # Reads the keys this step just stored.
         self.ops.paged_prefill(query, k_cache, v_cache, *plan.prefill_args(metadata), mask.scale, out,
-                               mask.sliding_window or 0, mask.soft_cap or 0.0)  # fmt: skip
+                               mask.sliding_window or 0, mask.soft_cap or 0.0, mask.sinks)  # fmt: skip
         return True
 
     def _decode_attention(self, q, k_cache, v_cache, plan, mask) -> torch.Tensor:
@@ -45,7 +45,7 @@ class CpuAttentionBackend(TorchBackend):
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()  # the kernel reads each token's heads as one row (any stride between tokens)
         return self.ops.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, mask.scale,
-                                     mask.sliding_window or 0, mask.soft_cap or 0.0)  # fmt: skip
+                                     mask.sliding_window or 0, mask.soft_cap or 0.0, mask.sinks)  # fmt: skip
 
 
 def rows_contiguous(x: torch.Tensor) -> bool:

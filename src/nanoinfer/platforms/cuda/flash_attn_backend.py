@@ -4,6 +4,7 @@ Pure-decode steps call flash_attn_with_kvcache (paged via block_table); other st
 flash_attn_varlen_func, over the paged cache (block_table) when any sequence has a cached prefix, else over
 this step's keys directly. flash-attn is imported on first use; the KV-cache store is our Triton kernel.
 flash-attn 2.x needs float16/bfloat16 and a block size that is a multiple of 256 (Config checks both).
+It has no attention sinks: a layer with them (gpt-oss) runs on our Triton kernels, over the same cache.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class FlashAttnBackend:
 
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
+        self._sinks_backend = None  # a TritonBackend, built for the first layer with sinks
 
     def store_kvcache(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -34,8 +36,11 @@ class FlashAttnBackend:
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
         scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, sliding_window: int | None = None,
-        soft_cap: float | None = None,
+        soft_cap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            return self._without_flash_attn().forward(query, k_cache, v_cache, metadata, scale, new_kv,
+                                                      sliding_window, soft_cap, sinks)  # fmt: skip
         if k_cache.shape[1] % 256 or query.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"flash-attn needs float16/bfloat16 and a block size that is a multiple of 256, got "
@@ -67,6 +72,14 @@ class FlashAttnBackend:
             max_seqlen_q=metadata.max_query_len, max_seqlen_k=metadata.max_seq_len,
             softmax_scale=scale, causal=True, block_table=metadata.block_tables, **mask,
         )
+
+
+    def _without_flash_attn(self):
+        if self._sinks_backend is None:
+            from nanoinfer.platforms.cuda.triton_backend import TritonBackend
+
+            self._sinks_backend = TritonBackend()
+        return self._sinks_backend
 
 
 def _has_no_cached_prefix(metadata: AttentionMetadata) -> bool:

@@ -24,10 +24,10 @@ class TritonBackend:
     def forward(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
         scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, sliding_window: int | None = None,
-        soft_cap: float | None = None,
+        soft_cap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # new_kv (this step's keys/values) is unused: store_kvcache already put them in the cache.
-        mask = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+        mask = dict(sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
         if metadata.max_query_len == 1:
             return paged_decode_attention(
                 query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale, **mask

@@ -3,10 +3,10 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                           double soft_cap);
+                           double soft_cap, const c10::optional<torch::Tensor>& sinks);
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                    torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens, double scale,
-                   torch::Tensor out, int64_t window, double soft_cap);
+                   torch::Tensor out, int64_t window, double soft_cap, const c10::optional<torch::Tensor>& sinks);
 void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -31,16 +31,29 @@ bool amx_available();
 torch::Tensor amx_greedy_argmax(const torch::Tensor& hidden, const torch::Tensor& packed, int64_t N);
 torch::Tensor greedy_lm_head(const torch::Tensor& hidden, const torch::Tensor& amx_packed,
                              const torch::Tensor& weight_norms, const torch::Tensor& panels, int64_t V);
+torch::Tensor pack_moe_weights(const torch::Tensor& weight, bool gated);
+torch::Tensor fused_moe(const torch::Tensor& x, const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                        const torch::Tensor& w13, const torch::Tensor& w2, const c10::optional<torch::Tensor>& b13,
+                        const c10::optional<torch::Tensor>& b2, int64_t intermediate_size, int64_t activation,
+                        double alpha, double limit);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "paged decode attention over the block tables, of each row's last `window` keys (0: all of them), scores "
-        "soft-capped at soft_cap (0: none)");
+        "soft-capped at soft_cap (0: none), with each head's sink logit (float32 [H_q]) in the softmax (None: none)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("soft_cap"),
+        pybind11::arg("sinks") = pybind11::none());
   m.def("zeros_on_huge_pages", &zeros_on_huge_pages,
         "a zero-filled tensor on 2 MiB pages where Linux grants them, committed as it is written");
   m.def("paged_prefill", &paged_prefill,
         "causal prefill attention of every prompt chunk of a step, reading the paged cache in place, into out "
-        "(keys in each query's last `window` positions, 0: all; scores soft-capped at soft_cap, 0: none)");
+        "(keys in each query's last `window` positions, 0: all; scores soft-capped at soft_cap, 0: none; each head's "
+        "sink logit, float32 [H_q], in the softmax, None: none)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("q_starts"), pybind11::arg("q_lens"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("out"), pybind11::arg("window"), pybind11::arg("soft_cap"),
+        pybind11::arg("sinks") = pybind11::none());
   m.def("store_kvcache", &store_kvcache, "key/value rows into their cache slots (-1 skipped)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension (float32)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (float32)");
@@ -97,4 +110,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("simd") = "none";
 #endif
+  m.def("pack_moe_weights", &pack_moe_weights,
+        "[E, N, K] expert weights (gated: [E, 2I, K], gate rows then up rows) -> fused_moe's panels: float32 "
+        "[E, P, K, 16] (each expert as pack_linear_weight / pack_gated_weight), bfloat16 [E, P, ceil(K/2), 32] "
+        "(k-steps in pairs)",
+        pybind11::arg("weight"), pybind11::arg("gated"));
+  m.def("fused_moe", &fused_moe,
+        "sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x [T, H] (float32 / bfloat16) with "
+        "pack_moe_weights' w13 (gated) and w2, float32 biases [E, 2I] and [E, H] or None; activation 0 silu, "
+        "1 gelu_tanh, 2 swigluoai (alpha, limit)",
+        pybind11::arg("x"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"), pybind11::arg("w13"),
+        pybind11::arg("w2"), pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("intermediate_size"),
+        pybind11::arg("activation"), pybind11::arg("alpha"), pybind11::arg("limit"));
 }

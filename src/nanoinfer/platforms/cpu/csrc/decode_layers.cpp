@@ -20,7 +20,7 @@ void store_kvcache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache
                    torch::Tensor slot_mapping);
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                           double soft_cap);
+                           double soft_cap, const c10::optional<torch::Tensor>& sinks);
 torch::Tensor packed_linear(const torch::Tensor& input, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t N, bool gated,
                             const c10::optional<torch::Tensor>& compact,
@@ -98,7 +98,8 @@ class DecodeLayers {
       const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_dim_});
       rotary_embedding(positions, q, k, cos_, sin_);
       store_kvcache(k, v, w.k_cache, w.v_cache, slot_mapping);
-      const auto attn = paged_decode(q, w.k_cache, w.v_cache, block_tables, seq_lens, scale_, 0, 0.0);  // q read in place
+      // q read in place; no window, soft cap or sinks (decode_runner.py takes no layer with them)
+      const auto attn = paged_decode(q, w.k_cache, w.v_cache, block_tables, seq_lens, scale_, 0, 0.0, c10::nullopt);
       hidden = linear(attn.view({T, q_size}), w.o_proj, c10::nullopt, H, false);
       fused_add_rms_norm(hidden, residual, w.post_attention_layernorm, eps_);
       hidden = linear(linear(hidden, w.gate_up_proj, c10::nullopt, intermediate_size_, true), w.down_proj,

@@ -13,6 +13,25 @@
 
 #include <type_traits>
 
+// The attention sinks' logits (gpt-oss), float32 [Hq], as the kernels read them; null for none. Also read by
+// csrc/prefill_attention.cpp.
+const float* sink_logits(const c10::optional<torch::Tensor>& sinks, int Hq, const char* what) {
+  if (!sinks.has_value() || !sinks->defined()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == Hq, what,
+              ": sinks as contiguous float32 [", Hq, "], got ", sinks->scalar_type(), " ", sinks->sizes());
+  return sinks->data_ptr<float>();
+}
+
+// The softmax's max with a head's attention sink (gpt-oss) in it: the sink is one more logit, with no value.
+static inline float with_sink(float max, const float* sinks, int qh) {
+  return sinks != nullptr ? std::max(max, sinks[qh]) : max;
+}
+
+// The sink's term of the softmax's sum (0 without sinks).
+static inline float sink_term(float max, const float* sinks, int qh) {
+  return sinks != nullptr ? std::exp(sinks[qh] - max) : 0.f;
+}
+
 #ifdef NANOINFER_AVX2
 // Each pass over the cache asks for the rows this many tokens ahead (their heads [h0, h1)) while it works on
 // the current one: the hardware prefetcher alone left memory bandwidth unused; 3-8 rows ahead all paid
@@ -59,7 +78,8 @@ static inline float softmax_numerators(float* sq, int len, float max) {
 // 768 bytes) measured 3x slower per byte than the whole rows.
 template <typename T>
 static void attend_avx2(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
-                        int Hkv, int h0, int h1, float* scores, float* acc, float soft_cap = 0.f) {
+                        int Hkv, int h0, int h1, float* scores, float* acc, float soft_cap = 0.f,
+                        const float* sinks = nullptr) {
   const int chunks = D / 8;
   const int Hq = Hkv * G;
   std::vector<float> maxes(Hq, -INFINITY);
@@ -93,8 +113,8 @@ static void attend_avx2(const float* qf, const T* k, const T* v, const size_t* r
   std::vector<float> inv_sums(Hq);
   for (int qh = h0 * G; qh < h1 * G; ++qh) {
     float* sq = scores + (size_t)qh * len;
-    const float m = soft_cap > 0.f ? cap_scores(sq, len, maxes[qh], soft_cap) : maxes[qh];
-    inv_sums[qh] = 1.f / softmax_numerators(sq, len, m);
+    const float m = with_sink(soft_cap > 0.f ? cap_scores(sq, len, maxes[qh], soft_cap) : maxes[qh], sinks, qh);
+    inv_sums[qh] = 1.f / (softmax_numerators(sq, len, m) + sink_term(m, sinks, qh));
   }
   std::fill(acc + (size_t)h0 * G * D, acc + (size_t)h1 * G * D, 0.f);
   for (int t = 0; t < len; ++t) {
@@ -320,7 +340,7 @@ template <typename T>
 static void attend_avx512(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
                           int h0, int h1, float* scores, float* acc,
                           const at::BFloat16* qb = nullptr, float scale = 1.f, const int* col_lens = nullptr,
-                          float soft_cap = 0.f) {
+                          float soft_cap = 0.f, const float* sinks = nullptr) {
   const int C = D / 16;
   const int q0 = h0 * G, q1 = h1 * G, nq = q1 - q0;
   static thread_local std::vector<float> parked_buf, max_buf;
@@ -392,7 +412,8 @@ static void attend_avx512(const float* qf, const T* k, const T* v, const size_t*
     float* sj = scores + (size_t)(q0 + j) * len;
     const int own = col_lens ? col_lens[q0 + j] : len;
     if (soft_cap > 0.f) m = cap_scores(sj, own, m, soft_cap);
-    inv_sums[j] = 1.f / softmax_numerators(sj, own, m);
+    m = with_sink(m, sinks, q0 + j);
+    inv_sums[j] = 1.f / (softmax_numerators(sj, own, m) + sink_term(m, sinks, q0 + j));
     std::fill(sj + own, sj + len, 0.f);
   }
   std::vector<const float*> probs(nq);
@@ -714,7 +735,8 @@ static void attend_amx(const at::BFloat16* qb, const at::BFloat16* k, const at::
 // The portable path: same algorithm, plain loops.
 template <typename T>
 static void attend_scalar(const float* qf, const T* k, const T* v, const size_t* rows, int len, int G, int D,
-                          int h0, int h1, float* scores, float* acc, float soft_cap = 0.f) {
+                          int h0, int h1, float* scores, float* acc, float soft_cap = 0.f,
+                          const float* sinks = nullptr) {
   for (int t = 0; t < len; ++t) {
     const T* row = k + rows[t];
     for (int qh = h0 * G; qh < h1 * G; ++qh) {
@@ -729,7 +751,8 @@ static void attend_scalar(const float* qf, const T* k, const T* v, const size_t*
     float m = -INFINITY;
     for (int t = 0; t < len; ++t) m = std::max(m, sq[t]);
     if (soft_cap > 0.f) m = cap_scores(sq, len, m, soft_cap);
-    float sum = 0.f;
+    m = with_sink(m, sinks, qh);
+    float sum = sink_term(m, sinks, qh);
     for (int t = 0; t < len; ++t) { sq[t] = std::exp(sq[t] - m); sum += sq[t]; }
     for (int t = 0; t < len; ++t) sq[t] /= sum;
   }
@@ -761,7 +784,7 @@ inline void for_run_heads(int h0, int h1, int R, int G, F&& f) {
 template <typename TQ, typename TC>
 static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables, const int* lens, TQ* out,
                         int B, int Hq, int Hkv, int D, int bs, int max_blocks, float scale, int64_t q_stride,
-                        int window, float soft_cap) {
+                        int window, float soft_cap, const float* sinks) {
   const int G = Hq / Hkv;
 #ifdef NANOINFER_AVX2
   const bool vector = D % 8 == 0 && D <= 256;  // attend_avx2 widens a key slice into a 256-float buffer
@@ -782,7 +805,8 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   // its tiles. -DNANOINFER_NO_AMX_ATTN builds without it: the A/B switch of a standalone build (the numbers
   // above attend_amx were measured that way).
   bool amx = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16> && D % 32 == 0 &&
-             D <= 256 && G <= 16 && soft_cap == 0.f && amx_permitted();  // its softmax is uncapped
+             D <= 256 && G <= 16 && soft_cap == 0.f && sinks == nullptr &&
+             amx_permitted();  // its softmax is uncapped, without sinks
 #ifdef NANOINFER_NO_AMX_ATTN
   amx = false;
 #endif
@@ -795,8 +819,9 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
   std::vector<int> run_starts{0};
   for (int b = 1; b < B; ++b) {
     const int* prev = tables + (size_t)(b - 1) * max_blocks;
-    // With a sliding window each row reads its own last `window` keys: rows stay apart.
-    const bool same = window == 0 && soft_cap == 0.f && lens[b] == lens[b - 1] + 1 &&
+    // With a sliding window each row reads its own last `window` keys: rows stay apart (and with a soft cap or
+    // sinks, which the runs' softmax does not apply).
+    const bool same = window == 0 && soft_cap == 0.f && sinks == nullptr && lens[b] == lens[b - 1] + 1 &&
                       std::equal(prev, prev + max_blocks, tables + (size_t)b * max_blocks);
     if (!same) run_starts.push_back(b);
   }
@@ -917,15 +942,16 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
               if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>)
                 if (D % 32 == 0) qb = q + (size_t)b * q_stride;
               attend_avx512(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data(), qb, scale, nullptr,
-                            soft_cap);
+                            soft_cap, sinks);
             } else
 #endif
 #ifdef NANOINFER_AVX2
             if (vector)
-              attend_avx2(qf.data(), k, v, row0, len, G, D, Hkv, h0, h1, scores.data(), acc.data(), soft_cap);
+              attend_avx2(qf.data(), k, v, row0, len, G, D, Hkv, h0, h1, scores.data(), acc.data(), soft_cap,
+                          sinks);
             else
 #endif
-              attend_scalar(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data(), soft_cap);
+              attend_scalar(qf.data(), k, v, row0, len, G, D, h0, h1, scores.data(), acc.data(), soft_cap, sinks);
           }
           for (int qh = h0 * G; qh < h1 * G; ++qh)
             for (int d = 0; d < D; ++d) out[((size_t)b * Hq + qh) * D + d] = static_cast<TQ>(acc[qh * D + d]);
@@ -943,7 +969,7 @@ static void decode_impl(const TQ* q, const TC* k, const TC* v, const int* tables
 // is read in place: copying it out took ~20 us a layer in decode, 0.15-0.2 s of W). out: contiguous.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
-                           double soft_cap) {
+                           double soft_cap, const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_decode: q [tokens, heads, D] with each token's heads contiguous");
   const int B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -955,12 +981,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int mb = tables.size(1);
   const int* tp = tables.data_ptr<int>();
   const int* lp = lens.data_ptr<int>();
+  const float* sp = sink_logits(sinks, Hq, "paged_decode");
   with_typed<false>(q, "paged_decode queries", [&](auto* qp) {
     using TQ = std::remove_pointer_t<decltype(qp)>;
     with_typed<true>(k_cache, "paged_decode cache", [&](auto* kp) {
       using TC = std::remove_pointer_t<decltype(kp)>;
       decode_impl(qp, kp, static_cast<TC*>(v_cache.data_ptr()), tp, lp, out.data_ptr<TQ>(), B, Hq, Hkv, D, bs, mb,
-                  (float)scale, q.stride(0), (int)window, (float)soft_cap);
+                  (float)scale, q.stride(0), (int)window, (float)soft_cap, sp);
     });
   });
   return out;

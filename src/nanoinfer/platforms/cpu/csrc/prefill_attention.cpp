@@ -21,6 +21,8 @@
 #include <array>
 #include <type_traits>
 
+const float* sink_logits(const c10::optional<torch::Tensor>& sinks, int Hq, const char* what);  // paged_attention.cpp
+
 namespace {
 
 constexpr int kQueryTile = 16;  // query positions per work item (x G heads = its rows)
@@ -212,7 +214,7 @@ void pack_keys(const TC* kc, const Chunk& c, int h, int Hkv, int D, int bs, floa
 template <typename TQ, typename TC>
 void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* out, int64_t out_stride,
             const Chunk& c, int p0, int p1, int h, int G, int Hkv, int D, int bs, float scale, int window,
-            float soft_cap, std::vector<float>& work) {
+            float soft_cap, const float* sinks, std::vector<float>& work) {
   const int rows = (p1 - p0) * G;
   const int64_t kv_stride = (int64_t)Hkv * D;  // elements from one token's cache row to the next
   work.resize((size_t)rows * D * 2 + (size_t)rows * kKeyTile + 2 * (size_t)rows);
@@ -226,8 +228,9 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
   for (int r = 0; r < rows; ++r) {
     const TQ* src = q + (c.q_start + p0 + r / G) * q_stride + (int64_t)(h * G + r % G) * D;
     for (int d = 0; d < D; ++d) Q[(size_t)r * D + d] = to_f(src[d]) * scale;
-    m[r] = -INFINITY;
-    l[r] = 0.f;
+    // An attention sink (gpt-oss) is a logit with no value: the online softmax starts from it.
+    m[r] = sinks != nullptr ? sinks[h * G + r % G] : -INFINITY;
+    l[r] = sinks != nullptr ? 1.f : 0.f;
   }
   std::fill(O, O + (size_t)rows * D, 0.f);
   const int keys = pos(rows - 1) + 1;  // the last row sees keys [0, keys)
@@ -261,7 +264,7 @@ void attend(const TQ* q, int64_t q_stride, const float* kt, const TC* vc, TQ* ou
           for (int j = lo; j < valid; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
         std::fill(sr, sr + lo, 0.f);  // keys before the window: exactly 0 (exp8 clamps, exp(-inf) would not be)
         const float mx = max_of(sr + lo, valid - lo, m[r]);
-        const float alpha = std::exp(m[r] - mx);  // 0 on the first tile (m = -inf)
+        const float alpha = std::exp(m[r] - mx);  // 0 on the first tile (m = -inf) but with a sink
         l[r] = l[r] * alpha + exp_shifted(sr + lo, valid - lo, seen - lo, mx);
         m[r] = mx;
         if (alpha != 1.f)
@@ -474,7 +477,7 @@ void attend_amx(const bf16* q, int64_t q_stride, const bf16* kb, const bf16* vb,
 
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                    torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor seq_lens, double scale,
-                   torch::Tensor out, int64_t window, double soft_cap) {
+                   torch::Tensor out, int64_t window, double soft_cap, const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill: query rows");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "paged_prefill: out like the queries");
@@ -484,6 +487,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   const int Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0 && bs % kKeyTile == 0 && D % NR == 0,
               "paged_prefill: head sizes, or a block size not a multiple of 64");
+  const float* sp = sink_logits(sinks, Hq, "paged_prefill");
   const auto tables = block_tables.contiguous(), starts = q_starts.contiguous();
   const auto qlens = q_lens.contiguous(), lens = seq_lens.contiguous();
   const int n = starts.numel(), mb = tables.size(1);
@@ -506,9 +510,10 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     return chunks[x[0]].seq_len - chunks[x[0]].q_len + x[1] > chunks[y[0]].seq_len - chunks[y[0]].q_len + y[1];
   });
 #ifdef NANOINFER_AMX
-  // The AMX path attends causally and uncapped: a window or a soft cap takes the float path below.
+  // The AMX path attends causally, uncapped and without sinks: a window, a soft cap or sinks take the float path
+  // below.
   if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && D % 32 == 0 && window == 0 &&
-      soft_cap == 0 && amx_permitted()) {
+      soft_cap == 0 && sp == nullptr && amx_permitted()) {
     // Keys and values packed as tiles (pack_kv_amx), per chunk and KV head, kKeyTile-padded.
     const PackedLayout lay(chunks, kKeyTile, D, Hkv);
     const std::vector<int64_t>& offsets = lay.offsets;
@@ -574,7 +579,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
           const Chunk& c = chunks[i];
           attend(qp, q.stride(0), keys_t + kt_offsets[i] + h * kt_sizes[i], vp, op, out.stride(0), c, p0,
                  std::min(c.q_len, p0 + kQueryTile), h, Hq / Hkv, Hkv, D, bs, (float)scale, (int)window,
-                 (float)soft_cap, work);
+                 (float)soft_cap, sp, work);
         }
       }
     });

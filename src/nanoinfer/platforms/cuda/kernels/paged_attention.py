@@ -7,6 +7,8 @@ Two kernels share one inner loop (online softmax over key tiles read through the
 - prefill (any query_len, cached prefix + new tokens, causal): one program per (sequence, query tile, KV
   head); a tile's rows are (token, query head of the group) pairs, so each key tile is read once per group.
 Accumulation is float32; softmax runs in base 2 (exp2) with the scale folded into log2(e).
+Attention sinks (gpt-oss: a logit per head in the softmax's sum, with no value) start a row's running state
+at (max = sink, sum = 1); split decode leaves them to the merge, which adds each head's sink once.
 
 The cache may be fp8 (e4m3 or e5m2, scale 1: kernels/store_kvcache.py writes it): keys and values are
 widened to the query's dtype as they are loaded (exactly: fp8 values are bfloat16 and float16 values).
@@ -89,6 +91,14 @@ def _attend_kv_range(
 
 
 @triton.jit
+def _sink_state(sinks_ptr, head, row_valid, m_i, l_i):
+    """The running softmax state of rows whose heads have a sink: the sink's logit in base 2 as the max, its
+    exp2(0) = 1 as the sum (padding rows keep theirs)."""
+    sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * _LOG2_E_JIT
+    return tl.where(row_valid, sink, m_i), tl.where(row_valid, 1.0, l_i)
+
+
+@triton.jit
 def _seq_partition_size(seq_len, num_splits, TILE_N: tl.constexpr):
     """Keys per split when a sequence's context is shared evenly by num_splits programs, in whole tiles (at
     least one, so an empty context divides by TILE_N, not 0)."""
@@ -102,10 +112,11 @@ def _paged_decode_kernel(
     stride_split_seq, stride_split_head, stride_split_idx,  # split_out [seqs, H_q, splits, D]; lse drops D
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     num_queries_per_kv, block_size, partition_size, qk_scale, window, soft_cap,
+    sinks_ptr,  # float32 [H_q] sink logits, read when HAS_SINKS (and not IS_SPLIT: the merge adds them)
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, TILE_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr,
     SPLIT_BY_SEQ_LEN: tl.constexpr,  # partitions from this sequence's length, not the longest one's
-    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,6 +145,9 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1e30
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:  # noqa: SIM102
+        if not IS_SPLIT:  # a split's state leaves the sink out: the merge adds it once
+            m_i, l_i = _sink_state(sinks_ptr, head, row_valid, m_i, l_i)
     acc, m_i, l_i = _attend_kv_range(
         q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_table_seq,
         kv_head, stride_cache_block, stride_cache_token, stride_cache_head, kv_start, kv_end, block_size, qk_scale,
@@ -155,8 +169,8 @@ def _paged_decode_kernel(
 def _merge_splits_kernel(
     out_ptr, split_out_ptr, split_lse_ptr, seq_lens_ptr,
     stride_out_token, stride_out_head, stride_split_seq, stride_split_head, stride_split_idx,
-    partition_size, max_splits,
-    HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BY_SEQ_LEN: tl.constexpr,
+    partition_size, max_splits, sinks_ptr,
+    HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr, SPLIT_BY_SEQ_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -166,9 +180,13 @@ def _merge_splits_kernel(
     num_splits = tl.cdiv(seq_len, partition_size)
     offs_d = tl.arange(0, HEAD_DIM)
     base = seq.to(tl.int64) * stride_split_seq + head * stride_split_head
-    # Online merge: each split's output is already normalised; weight it by exp2(its lse - running max).
+    # Online merge: each split's output is already normalised; weight it by exp2(its lse - running max). A sink
+    # is one more "split" with weight exp2(sink) and output 0.
     m = float("-inf")
     l_sum = 0.0
+    if HAS_SINKS:
+        m = tl.load(sinks_ptr + head) * _LOG2_E_JIT
+        l_sum = 1.0
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for split in range(num_splits):
         offs = base + split * stride_split_idx
@@ -191,8 +209,10 @@ def _paged_prefill_kernel(
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     num_queries_per_kv, tokens_per_tile, block_size, qk_scale, window, soft_cap,
+    sinks_ptr,  # float32 [H_q] sink logits, read when HAS_SINKS
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MIXED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -219,6 +239,8 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        m_i, l_i = _sink_state(sinks_ptr, head, row_valid, m_i, l_i)
     kv_start = 0
     if HAS_WINDOW:  # the tile's first query sees nothing before its window
         kv_start = (tl.maximum(num_cached + tile_first - window + 1, 0) // TILE_N) * TILE_N
@@ -248,13 +270,14 @@ def paged_decode_attention(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, query [num_seqs, H_q, D], over its seq_len cached keys.
 
     The grid is (num_seqs, H_kv, num_splits); with num_splits > 1 a merge kernel with grid (num_seqs, H_q)
     combines the splits. num_splits=None picks enough splits to fill the device. The grid depends only on
     num_seqs and max_seq_len, so a CUDA graph captured with max_seq_len = max_model_len serves any length.
-    Returns [num_seqs, H_q, D] in query's dtype.
+    Returns [num_seqs, H_q, D] in query's dtype. sinks: float32 [H_q] sink logits (gpt-oss), or None.
 
     Variants (same results, for measuring; None / False is the default): tile_n keys per inner tile (a power
     of two >= 16 dividing the block size); split_by_seq_len shares each sequence's own context evenly over the
@@ -263,6 +286,7 @@ def paged_decode_attention(
     """
     num_seqs, num_heads, head_dim = query.shape
     _check_common("paged_decode_attention", query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_sinks("paged_decode_attention", sinks, query)
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if tile_n is None:
         tile_n = _tile_size(block_size)
@@ -296,16 +320,18 @@ def paged_decode_attention(
         num_heads * num_splits * head_dim, num_splits * head_dim, head_dim,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         group, block_size, partition_size, scale * _LOG2_E, sliding_window or 0, soft_cap or 0.0,
+        out if sinks is None else sinks,  # any tensor keeps the signature when unused
         HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), TILE_N=tile_n,
         IS_SPLIT=is_split, UPCAST=_needs_upcast(query, k_cache), DOT_PRECISION=_dot_precision(query),
         MIXED=query.dtype != k_cache.dtype, SPLIT_BY_SEQ_LEN=by_seq_len, HAS_WINDOW=sliding_window is not None,
-        HAS_CAP=soft_cap is not None, **launch,
+        HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None, **launch,
     )
     if is_split:
         _merge_splits_kernel[(num_seqs, num_heads)](
             out, split_out, split_lse, seq_lens,
             out.stride(0), out.stride(1), num_heads * num_splits * head_dim, num_splits * head_dim, head_dim,
-            partition_size, num_splits, HEAD_DIM=head_dim, TILE_N=tile_n, SPLIT_BY_SEQ_LEN=by_seq_len,
+            partition_size, num_splits, out if sinks is None else sinks, HEAD_DIM=head_dim, TILE_N=tile_n,
+            SPLIT_BY_SEQ_LEN=by_seq_len, HAS_SINKS=sinks is not None,
         )
     return out
 
@@ -322,16 +348,18 @@ def paged_prefill_attention(
     block_m: int = 64,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, H_q, D] (sequences back to back, split by query_start_loc)
     over each sequence's cached prefix plus its new tokens, all read from the paged cache.
 
     The grid is (num_seqs, cdiv(max_query_len, block_m // group), H_kv); tiles past a sequence's query_len
-    exit at once. Returns [num_tokens, H_q, D] in query's dtype.
+    exit at once. Returns [num_tokens, H_q, D] in query's dtype. sinks: float32 [H_q] sink logits, or None.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     _check_common("paged_prefill_attention", query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check_sinks("paged_prefill_attention", sinks, query)
     _require(
         query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32,
         f"query_start_loc must be int32 [{num_seqs + 1}], got {query_start_loc.dtype} "
@@ -354,9 +382,10 @@ def paged_prefill_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         group, tokens_per_tile, block_size, scale * _LOG2_E, sliding_window or 0, soft_cap or 0.0,
+        out if sinks is None else sinks,
         HEAD_DIM=head_dim, BLOCK_M=block_m, TILE_N=_tile_size(block_size), UPCAST=_needs_upcast(query, k_cache),
         DOT_PRECISION=_dot_precision(query), MIXED=query.dtype != k_cache.dtype,
-        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None, HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -406,6 +435,16 @@ def _check_common(
     devices = {t.device for t in (query, k_cache, v_cache, block_tables, seq_lens)}
     _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}", caller)
     _tile_size(k_cache.shape[1])
+
+
+def _check_sinks(caller: str, sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    if sinks is not None:
+        _require(
+            sinks.shape == (query.shape[1],) and sinks.dtype == torch.float32 and sinks.is_contiguous()
+            and sinks.device == query.device,
+            f"sinks must be contiguous float32 [{query.shape[1]}] on {query.device}, got {sinks.dtype} "
+            f"{tuple(sinks.shape)} on {sinks.device}", caller,
+        )
 
 
 def _tile_size(block_size: int) -> int:
