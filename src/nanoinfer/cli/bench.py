@@ -195,8 +195,13 @@ def _build_config(engine: EngineOptions):
     if model is not None:  # resolved here, once: a folder with only a config.json gets random weights
         model_dir = resolve_model(str(model))
         if bench_lib.needs_random_weights(model_dir):
-            on_cuda = _wants_cuda(values.get("device", "auto"))
-            weights_dtype = "bfloat16" if on_cuda and values.get("dtype") != "float32" else "float32"
+            # in the dtype asked for (a bfloat16 run of a large model need not build it in float32), else the
+            # device's default
+            asked = values.get("dtype")
+            if asked in ("float32", "bfloat16", "float16"):
+                weights_dtype = asked
+            else:
+                weights_dtype = "bfloat16" if _wants_cuda(values.get("device", "auto")) else "float32"
             notes.append(f"{model_dir} has no weights: using random {weights_dtype} weights with its config.json")
             model_dir = bench_lib.random_weight_model(model_dir, weights_dtype)
         engine = EngineOptions(engine.config_path, {**engine.overrides, "model": str(model_dir)})

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.platforms.cpu.ops import cpu_ops
+from nanoinfer.platforms.cpu.process import release_freed_memory
 
 logger = logging.getLogger("nanoinfer")
 
@@ -253,6 +254,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
         if owners[id(module.weight)] == 1:
             module.weight.data = torch.empty(0, dtype=dtype)
         packed += 1
+    release_freed_memory()
     return packed
 
 

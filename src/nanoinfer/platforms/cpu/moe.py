@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from nanoinfer.platforms.cpu.ops import cpu_ops
+from nanoinfer.platforms.cpu.process import release_freed_memory
 
 # csrc/moe.cpp's activation codes
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swigluoai": 2}
@@ -64,6 +65,7 @@ def prepack_experts(model: nn.Module) -> int:
             continue
         for param in (module.w13_weight, module.w2_weight):
             param.data = torch.empty(0, dtype=param.dtype)
+        release_freed_memory()  # layer by layer: the model's experts are never held twice
         packed += 1
     return packed
 

@@ -28,6 +28,17 @@ def keep_freed_memory_for_reuse() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed back to the OS (glibc's malloc_trim) once, where keep_freed_memory_for_reuse would keep
+    it: after a weight is packed into its own pages and the original released, nothing reuses that heap memory,
+    and a model's worth of it (a mixture of experts: most of its weights) would stay in the process."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
 
 def setup_process(num_threads: int | None) -> None:
     """Keep freed memory for reuse; one torch thread a physical core unless `num_threads` says otherwise."""
