@@ -492,20 +492,7 @@ static void pack_rows(const T* xs, float* a, int64_t rows, int64_t K, int64_t bl
             const float* src = xs + (r0 + g) * K + k;
             const __m512 x0 = _mm512_loadu_ps(src), x1 = _mm512_loadu_ps(src + K);
             const __m512 x2 = _mm512_loadu_ps(src + 2 * K), x3 = _mm512_loadu_ps(src + 3 * K);
-            const __m512 t0 = _mm512_unpacklo_ps(x0, x1), t1 = _mm512_unpackhi_ps(x0, x1);
-            const __m512 t2 = _mm512_unpacklo_ps(x2, x3), t3 = _mm512_unpackhi_ps(x2, x3);
-            const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);
-            const __m512d d2 = _mm512_castps_pd(t2), d3 = _mm512_castps_pd(t3);
-            // u[i], lane L: rows g..g+3 at k + 4 L + i.
-            const __m512 u[4] = {_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d2)), _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d2)),
-                                 _mm512_castpd_ps(_mm512_unpacklo_pd(d1, d3)), _mm512_castpd_ps(_mm512_unpackhi_pd(d1, d3))};
-            float* out = dst + k * MR + g;
-            for (int i = 0; i < 4; ++i) {
-              _mm_storeu_ps(out + i * MR, _mm512_castps512_ps128(u[i]));
-              _mm_storeu_ps(out + (4 + i) * MR, _mm512_extractf32x4_ps(u[i], 1));
-              _mm_storeu_ps(out + (8 + i) * MR, _mm512_extractf32x4_ps(u[i], 2));
-              _mm_storeu_ps(out + (12 + i) * MR, _mm512_extractf32x4_ps(u[i], 3));
-            }
+            store_transposed_4x16(x0, x1, x2, x3, dst + k * MR + g, MR);
           }
       }
     }

@@ -240,21 +240,7 @@ inline int64_t transpose_rows(const char* const* rows, int R, int64_t n, void* d
   for (; s + 16 <= n; s += 16)
     for (int g = 0; g < R; g += 4) {
       auto load = [&](int r) { return _mm512_loadu_ps(reinterpret_cast<const float*>(rows[g + r]) + s); };
-      const __m512 x0 = load(0), x1 = load(1), x2 = load(2), x3 = load(3);
-      const __m512d d0 = _mm512_castps_pd(_mm512_unpacklo_ps(x0, x1));
-      const __m512d d1 = _mm512_castps_pd(_mm512_unpackhi_ps(x0, x1));
-      const __m512d d2 = _mm512_castps_pd(_mm512_unpacklo_ps(x2, x3));
-      const __m512d d3 = _mm512_castps_pd(_mm512_unpackhi_ps(x2, x3));
-      // u[i], lane L: rows g..g+3 at s + 4 L + i.
-      const __m512 u[4] = {_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d2)), _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d2)),
-                           _mm512_castpd_ps(_mm512_unpacklo_pd(d1, d3)), _mm512_castpd_ps(_mm512_unpackhi_pd(d1, d3))};
-      float* o = out + s * R + g;
-      for (int i = 0; i < 4; ++i) {
-        _mm_storeu_ps(o + i * R, _mm512_castps512_ps128(u[i]));
-        _mm_storeu_ps(o + (4 + i) * R, _mm512_extractf32x4_ps(u[i], 1));
-        _mm_storeu_ps(o + (8 + i) * R, _mm512_extractf32x4_ps(u[i], 2));
-        _mm_storeu_ps(o + (12 + i) * R, _mm512_extractf32x4_ps(u[i], 3));
-      }
+      store_transposed_4x16(load(0), load(1), load(2), load(3), out + s * R + g, R);
     }
 #else
   (void)rows, (void)R, (void)n, (void)dst;

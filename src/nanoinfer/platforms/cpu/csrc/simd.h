@@ -114,6 +114,21 @@ static inline __m512 load16(const T* p) {
   const __m256d lo = _mm256_castps_pd(load8(p)), hi = _mm256_castps_pd(load8(p + 8));
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
 }
+// Rows x0..x3 (each 16 values at k..k+15) transposed 4 x 4 within each 128-bit lane: the 4 rows' values at k + j
+// leave as one 16-byte store at out + j * stride (a register tile's rows, k-major; gemm.cpp and moe.cpp pack so).
+static inline void store_transposed_4x16(__m512 x0, __m512 x1, __m512 x2, __m512 x3, float* out, int64_t stride) {
+  const __m512d d0 = _mm512_castps_pd(_mm512_unpacklo_ps(x0, x1)), d1 = _mm512_castps_pd(_mm512_unpackhi_ps(x0, x1));
+  const __m512d d2 = _mm512_castps_pd(_mm512_unpacklo_ps(x2, x3)), d3 = _mm512_castps_pd(_mm512_unpackhi_ps(x2, x3));
+  // u[i], lane L: rows 0..3 at k + 4 L + i.
+  const __m512 u[4] = {_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d2)), _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d2)),
+                       _mm512_castpd_ps(_mm512_unpacklo_pd(d1, d3)), _mm512_castpd_ps(_mm512_unpackhi_pd(d1, d3))};
+  for (int i = 0; i < 4; ++i) {
+    _mm_storeu_ps(out + i * stride, _mm512_castps512_ps128(u[i]));
+    _mm_storeu_ps(out + (4 + i) * stride, _mm512_extractf32x4_ps(u[i], 1));
+    _mm_storeu_ps(out + (8 + i) * stride, _mm512_extractf32x4_ps(u[i], 2));
+    _mm_storeu_ps(out + (12 + i) * stride, _mm512_extractf32x4_ps(u[i], 3));
+  }
+}
 static inline __m256 low8(__m512 v) { return _mm512_castps512_ps256(v); }
 static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 #endif
