@@ -2,7 +2,7 @@
 # The CUDA checks of issue 6 in one command, sized for a 10-minute call on one H200 (about 8 minutes):
 #   1 nvidia-smi    the card, its memory and driver
 #   2 imports       torch + CUDA, triton, transformers, the project's deps, nanoinfer's kernels
-#   3 pytest        tests/gpu (engine vs transformers on the GPU, CUDA graphs vs eager, planner vs
+#   3 pytest        tests/gpu (engine vs transformers on the GPU, MoE and sinks included, CUDA graphs vs eager, planner vs
 #                   allocation) and tests/kernels with the Triton kernels compiled (TRITON_INTERPRET=0)
 #   4 plan-memory   the planner's estimate for the Qwen3-0.6B-shaped bench model on this card
 #   5 decode-variants  the Triton decode attention's variants (tiles, warps, stages, splits), flash-attn and

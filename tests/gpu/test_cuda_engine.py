@@ -110,6 +110,22 @@ def test_float32_greedy_matches_transformers_token_for_token(
         )
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_float32_greedy_matches_transformers_through_cuda_graphs(cuda_model_dirs, cuda_llm, hf_reference, no_tf32,
+                                                                    family):  # fmt: skip
+    """The Triton fused-MoE path (and gpt-oss's attention sinks in the Triton kernels), decode captured in CUDA
+    graphs: token for token with transformers in float32."""
+    skip_unless_runnable("triton", "float32")
+    model_dir = cuda_model_dirs[family]
+    prompts = make_prompts(vocab_size(model_dir))
+    expected = hf_reference(family, "float32", prompts, NUM_TOKENS, NUM_LOGPROBS)
+    with cuda_llm(model_dir, dtype="float32", attention_backend="triton", **ENGINE_SETTINGS) as llm:
+        assert llm.engine.model_runner.uses_cuda_graphs
+        outputs = generate(llm, prompts)
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        assert out.token_ids == ref.token_ids, f"{family}: prompt {i} ({len(prompts[i])} tokens) diverged"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_speculation_in_float32_matches_transformers_token_for_token(
     cuda_model_dirs, cuda_llm, hf_reference, no_tf32, backend
