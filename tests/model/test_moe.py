@@ -171,3 +171,14 @@ def test_tensor_parallel_size_must_divide_the_expert_width(tmp_path):
     with pytest.raises(ConfigError) as info:
         Config(model=str(path), device="cpu", tensor_parallel_size=8)
     assert "each expert's width (36" in str(info.value) and "Use one of 1, 2, 3, 4, 6" in str(info.value)
+
+
+def test_check_config_names_the_experts(tmp_path):
+    from typer.testing import CliRunner
+
+    from nanoinfer.cli import app
+
+    path = build_tiny_model("qwen3_moe", tmp_path / "m")
+    result = CliRunner().invoke(app, ["check-config", "--model", str(path), "--device", "cpu"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "8 experts in 2 layers (top 2)" in result.output

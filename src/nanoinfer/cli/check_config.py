@@ -99,11 +99,14 @@ def _print_summary(config, sources: dict) -> None:
     hf = config.hf_config
     # KV heads as the model's layers have them: they may differ between layers (Gemma 4's global ones), where
     # transformers refuses to read one num_key_value_heads off the config
-    kv_heads = sorted({layer.num_kv_heads for layer in config.model_spec.layers}) if config.model_spec else []
+    spec = config.model_spec
+    kv_heads = sorted({layer.num_kv_heads for layer in spec.layers}) if spec else []
+    experts = (f"{spec.num_experts} experts in {spec.num_moe_layers} layers (top {spec.experts_per_token}), "
+               if spec and spec.num_moe_layers else "")  # fmt: skip
     console.print(
         f"model: {getattr(hf, 'model_type', '?')}, {getattr(hf, 'num_hidden_layers', '?')} layers, "
         f"{getattr(hf, 'num_attention_heads', '?')} attention heads, "
-        f"{' / '.join(map(str, kv_heads)) or '?'} KV heads, "
+        f"{' / '.join(map(str, kv_heads)) or '?'} KV heads, {experts}"
         f"max_position_embeddings {getattr(hf, 'max_position_embeddings', '?')}",
         markup=False,
     )
