@@ -179,3 +179,25 @@ def test_weights_of_the_wrong_shape_are_refused(device):
     with pytest.raises(ValueError, match=r"w13 \(4, 144, 100\) and w2 \(4, 99, 72\)"):
         fused_moe(x.to(device), layer.w13_weight.to(device), layer.w2_weight[:, :99].to(device),
                   topk_weights.to(device), topk_ids.to(device))  # fmt: skip
+
+
+def test_the_start_up_check_runs_the_kernel_and_a_failure_keeps_the_reference_without_graphs(monkeypatch):
+    """A mixture of experts runs the fused-MoE kernel once at load; where it fails (a Triton or driver this code was
+    not tried with) the experts take the reference, and decode runs eager: the reference reads counts back."""
+    from types import SimpleNamespace
+
+    from nanoinfer.platforms.cuda import CudaPlatform, check_fused_moe
+
+    layer = make_experts(4, "silu", False, torch.float32)
+    assert check_fused_moe(layer) is None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed\nlong compiler log")
+
+    monkeypatch.setattr(moe_kernels, "fused_moe_layer", broken)
+    assert check_fused_moe(layer) == "RuntimeError: PassManager::run failed"
+    platform = CudaPlatform("float32")
+    config = SimpleNamespace(enforce_eager=False, tensor_parallel_size=1)
+    assert platform.uses_cuda_graphs(config, "triton")
+    platform.prepare_model(torch.nn.ModuleList([layer]))
+    assert platform.triton_moe is False and not platform.uses_cuda_graphs(config, "triton")

@@ -29,16 +29,27 @@ class CudaPlatform(Platform):
         # The experts run through Triton in every dtype: the reference reads expert counts back to the host,
         # which a CUDA graph cannot capture.
         self.triton_moe = importlib.util.find_spec("triton") is not None
+        self.eager_experts = False  # set by prepare_model: experts on the reference path cannot be graph-captured
 
     def prepare_model(self, model) -> int:
-        """Compile and run each small-op kernel once on a tiny input before the engine relies on them; on a
-        failure (a Triton or driver this code was not tried with) torch's ops stay in use, with one warning."""
+        """Compile and run each small-op kernel, and the fused-MoE kernel on a mixture of experts, once on a tiny
+        input before the engine relies on them; on a failure (a Triton or driver this code was not tried with)
+        torch's ops stay in use, with one warning (the experts' then decode without CUDA graphs: the reference
+        reads expert counts back to the host)."""
         if self.triton_small_ops:
             device = next(model.parameters()).device
             problem = check_small_ops(device, next(model.parameters()).dtype)
             if problem is not None:
                 self.triton_small_ops = False
                 logger.warning("Triton small-op kernels unavailable (%s); using torch's ops.", problem)
+        experts = next((m for m in model.modules() if getattr(m, "uses_expert_method", False)), None)
+        if experts is not None and self.triton_moe:
+            problem = check_fused_moe(experts)
+            if problem is not None:
+                self.triton_moe = False
+                logger.warning("Triton fused-MoE kernel unavailable (%s); the experts run on torch's ops and "
+                               "decode without CUDA graphs.", problem)  # fmt: skip
+        self.eager_experts = experts is not None and not self.triton_moe
         return 0
 
     def _fused_ops(self, x: torch.Tensor):
@@ -89,13 +100,31 @@ class CudaPlatform(Platform):
 
     def uses_cuda_graphs(self, config, backend_name: str) -> bool:
         """Decode through CUDA graphs unless enforce_eager, with one rank and a backend whose kernels capture."""
-        return not config.enforce_eager and config.tensor_parallel_size == 1 and backend_name in ("triton",
-                                                                                                  "flash-attn")
+        return (not config.enforce_eager and config.tensor_parallel_size == 1 and not self.eager_experts
+                and backend_name in ("triton", "flash-attn"))  # fmt: skip
 
     def build_runner(self, config, block_bytes: int, make_runner):
         from nanoinfer.platforms.cuda.memory_planning import build_cuda_runner
 
         return build_cuda_runner(config, block_bytes, make_runner)
+
+
+def check_fused_moe(layer) -> str | None:
+    """Run the fused-MoE kernel once on two tokens through `layer`'s own experts: None when it ran, else the
+    error, in one line."""
+    try:
+        from nanoinfer.platforms.cuda.kernels.fused_moe import fused_moe_layer
+
+        device, dtype = layer.w13_weight.device, layer.w13_weight.dtype
+        x = torch.randn(2, layer.hidden_size, device=device).to(dtype)
+        k = min(2, layer.num_experts)
+        topk_ids = torch.arange(k, device=device).repeat(2, 1)
+        fused_moe_layer(layer, x, torch.full((2, k), 1.0 / k, device=device), topk_ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # any failure means: do not use it; the message says why
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
 
 
 def check_small_ops(device: torch.device | str, dtype: torch.dtype) -> str | None:
