@@ -45,10 +45,6 @@ constexpr int64_t MC = 120;   // rows per chunk of x kept in L2
 constexpr int64_t DECODE_CHUNK_BYTES = 1280 << 10;  // a decode step's chunk of packed x, at most (L2: 2 MB)
 constexpr int64_t RUN_DIV = 2;  // a thread's run of panels: 1 / (RUN_DIV * threads) of those left...
 constexpr int64_t MIN_RUN = 2;  // ...and at least this many
-// Below this many rows a thread leaves its next panel to the hardware prefetchers: a tile of so few rows
-// computes too briefly to spread the software prefetches over, and they only crowded the core's line fill
-// buffers; from 12 rows on they pay (benchmarks/README.md).
-constexpr int64_t kPrefetchMinRows = 12;
 constexpr int64_t kStreamOutputBytes = 16 << 20;  // a row-split output over this is written with streaming stores
 constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the panels, from this many chunks each
 // Up to this many rows a call given a weight's exact 4-bit form (pack_q4_panels) runs on it: below, the step is
@@ -56,16 +52,6 @@ constexpr int64_t ROW_SPLIT_CHUNKS = 2;  // threads split the rows, not the pane
 // (benchmarks/README.md, design measurements). More rows run on AMX
 // where the weight also has that form (csrc/q4_amx_gemm.cpp), else on the float32 panels.
 constexpr int64_t kQ4MaxRows = 48;
-
-// A share of the next panel's 64-byte lines for one register tile to prefetch, spread over its k-steps.
-// A tile's share is at most one line per k-step (a panel has K * 16 * 4 / 64 = K lines in float32, and
-// every tile takes its share), so the kernel prefetches on every k-step, the line advancing by `step` / 2^32:
-// no branch in the loop: a branch that fired every few k-steps instead cost a fifth or more of the kernel's speed
-// in mispredictions.
-struct Prefetch {
-  const char* line = nullptr;
-  uint64_t step = 0;  // 64-byte lines per k-step, 32.32 fixed point; 0: no prefetch (the line is re-read)
-};
 
 // A tile's weights as exact 4-bit blocks (csrc/q4_panels.h): its first panel's bytes; a second follows at once.
 struct Q4Panels {
@@ -77,23 +63,17 @@ inline float store_as(float x, float*) { return x; }
 inline at::BFloat16 store_as(float x, at::BFloat16*) { return static_cast<at::BFloat16>(x); }
 
 #if defined(NANOINFER_AVX512)
-// k-steps ahead that a tile asks for its weights and rows of x into L1. Left to the hardware, the two streams
-// from L2 kept the FMA ports partly idle; with the prefetches the decode and prefill shapes ran faster
-// (benchmarks/README.md).
-constexpr int64_t kL1Ahead = 16;
 
 // R rows x NPT panels of float32 (or bfloat16) weights at b (panel j at b + j * K * NR): the sums into acc.
 template <int R, int NPT, typename W>
 inline void accumulate(const float* __restrict a, const W* __restrict b, int64_t K, Prefetch pf,
                        __m512 (&acc)[MR][2]) {
   const W* __restrict b1 = b + K * NR;
-  const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
-  uint64_t pf_pos = 0;
+  PrefetchWalk walk(pf, b);
   fma_tile_12x2<R, NPT>(
       K,
       [&](int64_t k) {
-        _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
-        pf_pos += pf.step;
+        walk.next();
         _mm_prefetch(reinterpret_cast<const char*>(b + (k + kL1Ahead) * NR), _MM_HINT_T0);
         if constexpr (NPT == 2) _mm_prefetch(reinterpret_cast<const char*>(b1 + (k + kL1Ahead) * NR), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(a + (k + kL1Ahead) * R), _MM_HINT_T0);
@@ -245,11 +225,9 @@ inline void tile(const float* __restrict a, const W* __restrict b, int64_t K, O*
   // Named accumulators, not an array: with an array GCC spills all twelve to the stack every k-step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
-  uint64_t pf_pos = 0;
+  PrefetchWalk walk(pf, b);
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
-    pf_pos += pf.step;
+    walk.next();
     const __m256 b0 = load8(b + k * NR), b1 = load8(b + k * NR + 8);  // bfloat16 widens exactly
     const float* ak = a + k * R;
     __m256 av;

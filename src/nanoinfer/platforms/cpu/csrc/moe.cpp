@@ -29,7 +29,6 @@ namespace {
 constexpr int NR = 16;  // output columns per panel; a unit is a register tile of two panels
 #ifdef NANOINFER_AVX512
 constexpr int MR = 12;  // rows per register tile (csrc/gemm.cpp's AVX-512 tile: 12 rows x 2 panels)
-constexpr int64_t kL1Ahead = 16;  // k-steps ahead that a tile asks for its weights and rows into L1 (as gemm.cpp)
 #else
 constexpr int MR = 6;
 #endif
@@ -39,7 +38,6 @@ constexpr int64_t kChunkBytes = 1 << 20;  // one chunk of an expert's packed row
 constexpr int64_t kPanelCost = 16;
 constexpr int64_t RUN_DIV = 2;  // a thread's run of units: 1 / (RUN_DIV * threads) of the cost left...
 constexpr int64_t MIN_RUN = 2;  // ...and at least this many units
-constexpr int64_t kPrefetchMinRows = 12;  // below, the next panels are left to the hardware prefetchers (gemm.cpp)
 // Tokens go in passes whose per-pair buffers (hidden rows, down-projection rows) take at most this many bytes;
 // a pass reads the experts' weights again, which a pass of this size hides behind its FMAs.
 constexpr int64_t kPassBytes = 128 << 20;
@@ -60,12 +58,6 @@ template <> struct Layout<at::BFloat16> {
 };
 inline int64_t steps_of(int64_t K, int kp) { return (K + kp - 1) / kp; }
 
-// Lines of the next unit's panels a tile prefetches into L2, spread over its k-steps (gemm.cpp's Prefetch).
-struct Prefetch {
-  const char* line = nullptr;
-  uint64_t step = 0;  // 64-byte lines per k-step, 32.32 fixed point
-};
-
 // A tile's sums: row r's panel j at acc[r][16 j ..].
 using Acc = float[MR][2 * NR];
 
@@ -74,13 +66,11 @@ using Acc = float[MR][2 * NR];
 template <int R, int NPT>
 inline void tile(const float* __restrict a, const float* __restrict b, int64_t steps, Prefetch pf, Acc& acc) {
   const float* __restrict b1 = b + steps * NR;
-  const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
-  uint64_t pf_pos = 0;
+  PrefetchWalk walk(pf, b);
   fma_tile_12x2<R, NPT>(
       steps,
       [&](int64_t k) {
-        _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
-        pf_pos += pf.step;
+        walk.next();
         _mm_prefetch(reinterpret_cast<const char*>(b + (k + kL1Ahead) * NR), _MM_HINT_T0);
         if constexpr (NPT == 2) _mm_prefetch(reinterpret_cast<const char*>(b1 + (k + kL1Ahead) * NR), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(a + (k + kL1Ahead) * R), _MM_HINT_T0);
@@ -96,16 +86,14 @@ inline void tile(const float* __restrict a, const float* __restrict b, int64_t s
 template <int R, int NPT>
 inline void tile(const uint32_t* __restrict a, const at::BFloat16* __restrict b, int64_t steps, Prefetch pf, Acc& acc) {
   const at::BFloat16* __restrict b1 = b + steps * 2 * NR;
-  const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
-  uint64_t pf_pos = 0;
+  PrefetchWalk walk(pf, b);
   const __m512 z = _mm512_setzero_ps();
 #define MOE_INIT(r) __m512 c##r##_0 = z, c##r##_1 = z;
   MOE_INIT(0) MOE_INIT(1) MOE_INIT(2) MOE_INIT(3) MOE_INIT(4) MOE_INIT(5)
   MOE_INIT(6) MOE_INIT(7) MOE_INIT(8) MOE_INIT(9) MOE_INIT(10) MOE_INIT(11)
 #undef MOE_INIT
   for (int64_t k = 0; k < steps; ++k) {
-    _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
-    pf_pos += pf.step;
+    walk.next();
     _mm_prefetch(reinterpret_cast<const char*>(b + (k + kL1Ahead) * 2 * NR), _MM_HINT_T0);
     if constexpr (NPT == 2) _mm_prefetch(reinterpret_cast<const char*>(b1 + (k + kL1Ahead) * 2 * NR), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(a + (k + kL1Ahead) * R), _MM_HINT_T0);
@@ -131,15 +119,13 @@ inline void tile(const uint32_t* __restrict a, const at::BFloat16* __restrict b,
 template <int R, int NPT>
 inline void tile(const uint32_t* __restrict a, const at::BFloat16* __restrict b, int64_t steps, Prefetch pf, Acc& acc) {
   const at::BFloat16* __restrict b1 = b + steps * 2 * NR;
-  const char* pf_line = pf.line ? pf.line : reinterpret_cast<const char*>(b);
-  uint64_t pf_pos = 0;
+  PrefetchWalk walk(pf, b);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   fma_tile_12x2<R, NPT>(
       2 * steps,
       [&](int64_t k) {
         if (k % 2) return;
-        _mm_prefetch(pf_line + ((pf_pos >> 32) << 6), _MM_HINT_T1);
-        pf_pos += pf.step;
+        walk.next();
       },
       [&](int r, int64_t k) {
         const uint32_t pair = a[k / 2 * R + r];

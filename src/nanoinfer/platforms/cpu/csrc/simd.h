@@ -16,6 +16,45 @@
 #define NANOINFER_AVX512 1
 #endif
 
+// A share of the next panel's 64-byte lines for one GEMM register tile to prefetch into L2, spread over its k-steps
+// (gemm.cpp, moe.cpp). A tile's share is at most one line per k-step (a panel has K * 16 * 4 / 64 = K lines in
+// float32, and every tile takes its share), so the kernel prefetches on every k-step, the line advancing by
+// `step` / 2^32: no branch in the loop: a branch that fired every few k-steps instead cost a fifth or more of the
+// kernel's speed in mispredictions.
+struct Prefetch {
+  const char* line = nullptr;
+  uint64_t step = 0;  // 64-byte lines per k-step, 32.32 fixed point; 0: no prefetch (the line is re-read)
+};
+// Below this many rows a thread leaves its next panel to the hardware prefetchers: a tile of so few rows
+// computes too briefly to spread the software prefetches over, and they only crowded the core's line fill
+// buffers; from 12 rows on they pay (benchmarks/README.md).
+constexpr int64_t kPrefetchMinRows = 12;
+
+#ifdef NANOINFER_AVX2
+// A tile's walk over its Prefetch share: next() prefetches one k-step's line (without a share, `own`: the tile's
+// first weight line, which it reads anyway).
+class PrefetchWalk {
+ public:
+  PrefetchWalk(Prefetch pf, const void* own)
+      : line_(pf.line ? pf.line : static_cast<const char*>(own)), step_(pf.step) {}
+  void next() {
+    _mm_prefetch(line_ + ((pos_ >> 32) << 6), _MM_HINT_T1);
+    pos_ += step_;
+  }
+
+ private:
+  const char* line_;
+  uint64_t step_;
+  uint64_t pos_ = 0;
+};
+#endif
+#ifdef NANOINFER_AVX512
+// k-steps ahead that a tile asks for its weights and rows of x into L1. Left to the hardware, the two streams
+// from L2 kept the FMA ports partly idle; with the prefetches the decode and prefill shapes ran faster
+// (benchmarks/README.md).
+constexpr int64_t kL1Ahead = 16;
+#endif
+
 // Zero-filled, on 2 MiB pages where Linux grants them (csrc/huge_pages.cpp).
 torch::Tensor zeros_on_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype);
 
