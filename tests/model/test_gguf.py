@@ -76,6 +76,25 @@ def run(path, **kwargs) -> tuple[LLM, list[list[int]], list[list[int]]]:
     return llm, ids, [o.token_ids for o in llm.generate(ids, params)]
 
 
+def run_family(gguf_dir, family: str, kind: str):
+    """(path, llm, ids, ours) of the family's file of `kind`: it runs as the architecture its source folder names,
+    and a float32 file gives that folder's tokens (its weights are the folder's)."""
+    path = build(gguf_dir, family, kind)
+    llm, ids, ours = run(path)
+    source = json.loads((path.with_suffix(".hf") / "config.json").read_text())
+    assert llm.config.hf_config.architectures == source["architectures"]
+    if kind == "F32":
+        assert ours == hf_greedy(path.with_suffix(".hf"), ids, NUM_TOKENS)[0]
+    return path, llm, ids, ours
+
+
+def assert_transformers_on_the_file_agrees(path, llm, ids, ours) -> None:
+    """transformers' own GGUF loader on the same file gives our tokens; its config comes from the source folder
+    (transformers' GGUF mapping leaves out e.g. a Qwen3 head_dim other than 128)."""
+    config = transformers.AutoConfig.from_pretrained(path.with_suffix(".hf"))
+    assert ours == hf_greedy(llm.config.model, ids, NUM_TOKENS, config=config)[0]
+
+
 def transformers_reads(family: str) -> bool:
     """Whether transformers' own GGUF loader reads the family's llama.cpp architecture (not gemma, olmo2)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
@@ -86,29 +105,16 @@ def transformers_reads(family: str) -> bool:
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
 def test_gguf_greedy_tokens_equal_transformers_on_the_same_file(gguf_dir, family, kind):
     path = build(gguf_dir, family, kind)
-    llm = LLM(str(path), device="cpu", max_model_len=128, cpu_kvcache_space_gib=0.02)
+    llm, ids, ours = run(path)
     assert llm.config.hf_config.model_type == family
-    ids = prompts(llm.config.hf_config.vocab_size)
-    ours = [o.token_ids for o in llm.generate(ids, SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
-                                                                  ignore_eos=True))]
-    # transformers reads the same GGUF; its config comes from the source folder (transformers' GGUF mapping
-    # leaves a Qwen3 head_dim other than 128 out)
-    config = transformers.AutoConfig.from_pretrained(path.with_suffix(".hf"))
-    theirs, _ = hf_greedy(llm.config.model, ids, NUM_TOKENS, config=config)
-    assert ours == theirs
+    assert_transformers_on_the_file_agrees(path, llm, ids, ours)
 
 
 @pytest.mark.parametrize("family, kind", FAMILY_CASES, ids=[f"{f}-{k}" for f, k in FAMILY_CASES])
 def test_family_gguf_greedy_tokens_equal_its_hf_folder_and_transformers(gguf_dir, family, kind):
-    path = build(gguf_dir, family, kind)
-    llm, ids, ours = run(path)
-    source = json.loads((path.with_suffix(".hf") / "config.json").read_text())
-    assert llm.config.hf_config.architectures == source["architectures"]
-    if kind == "F32":  # the file's weights are the folder's (Gemma's 1 + w - 1 is exact)
-        assert ours == hf_greedy(path.with_suffix(".hf"), ids, NUM_TOKENS)[0]
+    path, llm, ids, ours = run_family(gguf_dir, family, kind)  # F32: Gemma's 1 + w - 1 is exact
     if transformers_reads(family):
-        config = transformers.AutoConfig.from_pretrained(path.with_suffix(".hf"))
-        assert ours == hf_greedy(llm.config.model, ids, NUM_TOKENS, config=config)[0]
+        assert_transformers_on_the_file_agrees(path, llm, ids, ours)
 
 
 def test_a_llama3_gguf_gets_its_rope_scaling_back_from_rope_freqs(gguf_dir):
@@ -313,17 +319,11 @@ def test_moe_gguf_greedy_tokens_equal_the_weights_it_holds(gguf_dir, family, kin
     # float32: the HF folder the file came from; quantized: that folder's weights as the file stores them (the
     # same quantization, dequantized by the gguf package), and transformers on the file itself where its GGUF
     # loader reads the architecture (qwen3moe; it has no llama with experts)
-    path = build(gguf_dir, family, kind)
-    llm, ids, ours = run(path)
-    source = json.loads((path.with_suffix(".hf") / "config.json").read_text())
-    assert llm.config.hf_config.architectures == source["architectures"]
-    if kind == "F32":
-        assert ours == hf_greedy(path.with_suffix(".hf"), ids, NUM_TOKENS)[0]
-    elif not kind.endswith("_K"):  # K-quant files hold random blocks: only transformers on the file knows them
+    path, llm, ids, ours = run_family(gguf_dir, family, kind)
+    if kind != "F32" and not kind.endswith("_K"):  # K-quant files hold random blocks: only transformers knows them
         assert ours == hf_greedy(stored_weights_folder(path, kind), ids, NUM_TOKENS)[0]
     if family == "qwen3_moe":
-        config = transformers.AutoConfig.from_pretrained(path.with_suffix(".hf"))
-        assert ours == hf_greedy(llm.config.model, ids, NUM_TOKENS, config=config)[0]
+        assert_transformers_on_the_file_agrees(path, llm, ids, ours)
 
 
 def test_a_qwen3moe_gguf_routes_as_llama_cpp_runs_it(gguf_dir):
