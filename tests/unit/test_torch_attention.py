@@ -334,19 +334,29 @@ MASK_CASES = [
 ]
 
 
+def backend_taking_every_step(use_kernel: bool, monkeypatch):
+    """The backend under test; the C++ one must take every step itself (plain torch's prefill raises if reached)."""
+    if use_kernel and cpu_ops() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    if use_kernel:
+        def no_fallback(*args, **kwargs):
+            raise AssertionError("a windowed, capped or sink step fell back to plain torch")
+
+        monkeypatch.setattr(TorchBackend, "_prefill_one", no_fallback)
+    return make_backend(use_kernel)
+
+
+# float32: summation order only; bfloat16: the inputs' and output's rounding (a few ulps at 1.0 = 0.0078)
+MASKED_TOLERANCE = {False: dict(atol=2e-5, rtol=1e-5), True: dict(atol=3e-2, rtol=3e-2)}
+
+
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", MASK_CASES)
 def test_sliding_window_and_soft_cap_match_the_reference(use_kernel, bf16, case, monkeypatch):
     """Both backends (the C++ decode and prefill kernels, plain torch) against the reference's masked, capped
     attention; the C++ backend takes every such step itself."""
-    if use_kernel and cpu_ops() is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
-    if use_kernel:
-        def no_fallback(*args, **kwargs):
-            raise AssertionError("a masked step fell back to plain torch")
-
-        monkeypatch.setattr(TorchBackend, "_prefill_one", no_fallback)
+    backend = backend_taking_every_step(use_kernel, monkeypatch)
     query_lens, seq_lens, window, cap = case
     dtype = torch.bfloat16 if bf16 else torch.float32
     query, k_cache, v_cache, metadata = make_batch(query_lens, seq_lens, 8, 2, 64, 256, dtype)
@@ -354,11 +364,8 @@ def test_sliding_window_and_soft_cap_match_the_reference(use_kernel, bf16, case,
                                          soft_cap=cap)  # fmt: skip
     unmasked = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125)
     assert not torch.allclose(expected.float(), unmasked.float(), atol=1e-3) or max(seq_lens) <= (window or 0)
-    got = make_backend(use_kernel).forward(query, k_cache, v_cache, metadata, 0.125, sliding_window=window,
-                                           soft_cap=cap)  # fmt: skip
-    # float32: summation order only; bfloat16: the inputs' and output's rounding (a few ulps at 1.0 = 0.0078)
-    tolerance = dict(atol=3e-2, rtol=3e-2) if bf16 else dict(atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    got = backend.forward(query, k_cache, v_cache, metadata, 0.125, sliding_window=window, soft_cap=cap)
+    torch.testing.assert_close(got.float(), expected.float(), **MASKED_TOLERANCE[bf16])
 
 
 SINK_CASES = [
@@ -378,13 +385,7 @@ SINKS = torch.tensor([-2.0, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0])  # one a query h
 def test_attention_sinks_match_the_reference(use_kernel, bf16, case, monkeypatch):
     """gpt-oss's sinks (one more logit a head in the softmax, with no value) on both backends: the C++ decode and
     prefill kernels take every such step themselves."""
-    if use_kernel and cpu_ops() is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
-    if use_kernel:
-        def no_fallback(*args, **kwargs):
-            raise AssertionError("a step with sinks fell back to plain torch")
-
-        monkeypatch.setattr(TorchBackend, "_prefill_one", no_fallback)
+    backend = backend_taking_every_step(use_kernel, monkeypatch)
     query_lens, seq_lens, window, cap = case
     dtype = torch.bfloat16 if bf16 else torch.float32
     query, k_cache, v_cache, metadata = make_batch(query_lens, seq_lens, 8, 2, 64, 256, dtype)
@@ -392,9 +393,8 @@ def test_attention_sinks_match_the_reference(use_kernel, bf16, case, monkeypatch
     expected = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125, sinks=SINKS, **mask)
     without = paged_attention_reference(query, k_cache, v_cache, metadata, 0.125, **mask)
     assert not torch.allclose(expected.float(), without.float(), atol=1e-2)
-    got = make_backend(use_kernel).forward(query, k_cache, v_cache, metadata, 0.125, sinks=SINKS, **mask)
-    tolerance = dict(atol=3e-2, rtol=3e-2) if bf16 else dict(atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    got = backend.forward(query, k_cache, v_cache, metadata, 0.125, sinks=SINKS, **mask)
+    torch.testing.assert_close(got.float(), expected.float(), **MASKED_TOLERANCE[bf16])
 
 
 def test_decode_run_of_one_sequences_rows_keeps_each_rows_sinks():
