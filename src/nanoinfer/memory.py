@@ -355,12 +355,17 @@ def _meminfo(key: str, sysconf_pages: str) -> int | None:
         return None
 
 
+def expert_share(spec: ModelSpec, weights_bytes: int) -> int:
+    """The experts' part of `weights_bytes` (all of a model's weights, in one dtype), by their share of the
+    parameters."""
+    return round(weights_bytes * spec.expert_params / max(1, spec.total_params))
+
+
 def describe_weights(spec: ModelSpec, weights_bytes: int) -> str:
     """"X" or, for a mixture of experts, "X, of which the experts Y (L layers x E experts)": where the bytes go."""
     if not spec.num_moe_layers:
         return format_bytes(weights_bytes)
-    experts = round(weights_bytes * spec.expert_params / max(1, spec.total_params))
-    return (f"{format_bytes(weights_bytes)}, of which the experts {format_bytes(experts)} "
+    return (f"{format_bytes(weights_bytes)}, of which the experts {format_bytes(expert_share(spec, weights_bytes))} "
             f"({spec.num_moe_layers} layers x {spec.num_experts} experts)")
 
 

@@ -262,7 +262,7 @@ def build_report(s: dict, device: dict) -> dict:
         # a mixture of experts: every expert is held (a step reads those its tokens chose), per rank
         "moe": (f"{s['spec'].num_moe_layers} layers x {s['spec'].num_experts}, top {s['spec'].experts_per_token}"
                 if s["spec"].num_moe_layers else None),
-        "expert_bytes": round(run["weights_bytes"] * s["spec"].expert_params / max(1, s["spec"].total_params)),
+        "expert_bytes": memory.expert_share(s["spec"], run["weights_bytes"]),
         "activation_bytes": run["activation_bytes"],
         "kv_budget_bytes": budget,
         "kv_bytes_per_token": run["block_bytes"] // s["kvcache_block_size"],
