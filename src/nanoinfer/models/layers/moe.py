@@ -98,7 +98,6 @@ class FusedMoE(nn.Module):
         this rank's slice of the intermediate dimension of each. Down biases are added once, after the ranks'
         sum: rank 0 holds them, the others zeros."""
         size, start = self.intermediate_size, self.tp_rank * self.intermediate_size
-        is_bias = param is self.w13_bias or param is self.w2_bias
         if shard_id in ("w13", "w2"):  # every expert at once: [E, ...] in the per-expert layouts
             for e in range(self.num_experts):
                 if shard_id == "w13":
@@ -110,7 +109,7 @@ class FusedMoE(nn.Module):
             return
         expert, kind = shard_id
         if kind == "w2":
-            if is_bias:
+            if param is self.w2_bias:
                 param.data[expert].copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             else:
                 param.data[expert].copy_(loaded.narrow(1, start, size))
