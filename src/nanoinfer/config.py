@@ -170,7 +170,7 @@ class Config:
             reason = f"clamped from {self.max_model_len} to the model's max_position_embeddings"
             self.notes.append(("max_model_len", max_pos, reason))
             self.max_model_len = max_pos
-        return _model_problems(self, bad) + _kvcache_capacity_problem(self, bad)
+        return _model_problems(self, bad) + _kvcache_capacity_problem(self, bad) + _hybrid_model_problems(self, bad)
 
     def _resolve_device(self, bad: set[str]) -> list[ConfigProblem]:
         """Fill in device/dtype/attention_backend 'auto' and check they work together on this machine."""
@@ -510,7 +510,9 @@ def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
                 f"{', '.join(map(str, divisors))}.",
             )
         ]
-    heads = sorted({n for layer in c.model_spec.layers for n in (layer.num_heads, layer.num_kv_heads)})
+    heads = sorted({n for layer in c.model_spec.layers for n in (layer.num_heads, layer.num_kv_heads)}
+                   | {n for layer in c.model_spec.linear_attention_layers for n in (layer.num_k_heads,
+                                                                                    layer.num_v_heads)})  # fmt: skip
     if any(n % tp for n in heads):
         divisors = [d for d in range(1, 9) if all(n % d == 0 for n in heads)]
         return [
@@ -521,6 +523,25 @@ def _model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
                 f"gets whole heads. Use one of {', '.join(map(str, divisors))}.",
             )
         ]
+    return []
+
+
+def _hybrid_model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
+    """A hybrid model (linear-attention layers, a state per sequence) runs without prefix caching, with a notice: a
+    cached prefix's KV blocks are useless without the linear layers' state at the prefix's end, which is not kept.
+    n-gram speculation is refused: rejected tokens would have to be rolled out of that state."""
+    if c.model_spec is None or not c.model_spec.is_hybrid:
+        return []
+    if c.enable_prefix_caching and "enable_prefix_caching" not in bad:
+        c.enable_prefix_caching = False
+        c.notes.append(("enable_prefix_caching", False, "off for a model with linear-attention layers (its prefixes "
+                        "would also need the layers' state, which is not cached)"))  # fmt: skip
+    if "num_speculative_tokens" not in bad and isinstance(c.num_speculative_tokens, int) and c.num_speculative_tokens:
+        return [ConfigProblem(
+            "num_speculative_tokens", c.num_speculative_tokens,
+            f"must be 0 for {c.model_spec.architecture}: its linear-attention layers keep a state per sequence that "
+            "rejected speculated tokens cannot be taken back out of. Set num_speculative_tokens: 0.",
+        )]  # fmt: skip
     return []
 
 

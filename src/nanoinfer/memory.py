@@ -185,6 +185,12 @@ def valid_tensor_parallel_sizes(spec: ModelSpec, candidates=(1, 2, 4, 8)) -> lis
     return [tp for tp in candidates if spec.check_tensor_parallel(tp)]
 
 
+def state_slot_bytes(spec: ModelSpec, tensor_parallel_size: int, dtype: torch.dtype | str) -> int:
+    """One sequence's linear-attention state on one rank (0 for a model without linear attention): every such
+    layer's convolution inputs in the model's dtype and delta-rule matrices in float32."""
+    return spec.state_bytes_per_sequence(tensor_parallel_size, dtype_bytes(dtype))
+
+
 def kv_block_bytes(spec: ModelSpec, block_size: int, tensor_parallel_size: int, dtype: torch.dtype | str) -> int:
     """Bytes of one KV block on one rank: K and V for every layer (each of its own KV heads and head size),
     block_size tokens, this rank's share of the KV heads."""
@@ -210,6 +216,13 @@ class KVCachePlan:
     total_bytes: int
     max_model_len: int = 0
     graph_bytes: int = 0  # the CUDA graphs' memory pool (0 on CPU or with enforce_eager)
+    # A hybrid model's state cache (linear-attention layers): one slot a running sequence, out of the same budget
+    num_state_slots: int = 0
+    state_slot_bytes: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.state_slot_bytes
 
     @property
     def num_tokens(self) -> int:
@@ -241,11 +254,43 @@ class KVCachePlan:
         return min(self.num_tokens, model_max_len)
 
     def summary_line(self) -> str:
-        return (
+        line = (
             f"KV cache: {self.num_blocks:,} blocks x {self.block_size} tokens = {self.num_tokens:,} tokens, "
             f"max concurrency {self.max_concurrency():.1f} at max_model_len {self.max_model_len}, "
             f"{format_bytes(self.kv_bytes)}"
         )
+        if self.num_state_slots:
+            line += (f"; state cache: {self.num_state_slots:,} sequence slots x "
+                     f"{format_bytes(self.state_slot_bytes)} = {format_bytes(self.state_bytes)}")  # fmt: skip
+        return line
+
+
+# A hybrid model's state slots take at most this share of the cache budget, the KV blocks the rest.
+STATE_SHARE = 0.5
+
+
+def plan_state_slots(budget: int, slot_bytes: int, max_num_seqs: int, block_bytes: int,
+                     num_kvcache_blocks: int = -1) -> int:  # fmt: skip
+    """State slots for a hybrid model (0 for others): one per sequence up to max_num_seqs, within STATE_SHARE of the
+    budget, or within what a user-set num_kvcache_blocks leaves. The scheduler admits a sequence only with a free
+    slot, so fewer slots than max_num_seqs lower the concurrency and nothing else. Raises OutOfMemoryError when not
+    one slot fits."""
+    if slot_bytes == 0:
+        return 0
+    room = budget - num_kvcache_blocks * block_bytes if num_kvcache_blocks > 0 else math.floor(budget * STATE_SHARE)
+    slots = min(max_num_seqs, max(room, 0) // slot_bytes)
+    if slots == 0:
+        if num_kvcache_blocks > 0:
+            blocks_bytes = format_bytes(num_kvcache_blocks * block_bytes)
+            taken = f", of which num_kvcache_blocks = {num_kvcache_blocks} take {blocks_bytes}"
+        else:
+            taken = f" and state slots may take {STATE_SHARE:.0%} of it"
+        raise OutOfMemoryError(
+            f"No room for one sequence's linear-attention state ({format_bytes(slot_bytes)}): the cache budget is "
+            f"{format_bytes(budget)}{taken}. Raise the budget (gpu_memory_utilization, or cpu_kvcache_space_gib on "
+            "CPU) or lower num_kvcache_blocks."
+        )
+    return slots
 
 
 def kv_budget_bytes(*, total_bytes, utilization, weights_bytes, activation_bytes, other_bytes, graph_bytes=0) -> int:
@@ -266,6 +311,8 @@ def plan_kv_cache(
     num_kvcache_blocks: int = -1,
     graph_bytes: int = 0,
     spec: ModelSpec | None = None,
+    state_slot_bytes: int = 0,
+    max_num_seqs: int = 1,
 ) -> KVCachePlan:
     """Size the KV cache of one device (per rank under tensor parallelism).
 
@@ -280,6 +327,8 @@ def plan_kv_cache(
             after checking that it fits in the budget.
         graph_bytes: memory held by the captured CUDA graphs (measured by the engine).
         spec: the model's, to say in an error how much of the weights are experts.
+        state_slot_bytes: one sequence's linear-attention state (a hybrid model's; 0 for others), and
+            max_num_seqs: the most slots wanted (plan_state_slots); the slots come out of the budget first.
 
     Returns:
         The plan. Raises OutOfMemoryError when nothing (or not the requested blocks) fits.
@@ -303,14 +352,18 @@ def plan_kv_cache(
             "with more memory or a larger `tensor_parallel_size`, lower `max_num_batched_tokens` / "
             "`max_num_seqs` (smaller activation peak), or use a 2-byte dtype."
         )
+    num_slots = plan_state_slots(budget, state_slot_bytes, max_num_seqs, block_bytes, num_kvcache_blocks)
+    state_bytes = num_slots * state_slot_bytes
+    if state_bytes:
+        breakdown += f", {format_bytes(state_bytes)} of it for {num_slots} state slots"
     if num_kvcache_blocks > 0:
-        if num_kvcache_blocks * block_bytes > budget:
+        if num_kvcache_blocks * block_bytes > budget - state_bytes:
             raise OutOfMemoryError(
                 f"num_kvcache_blocks = {num_kvcache_blocks} needs "
                 f"{format_bytes(num_kvcache_blocks * block_bytes)} ({num_kvcache_blocks} x {block_bytes:,} "
                 f"bytes) but {breakdown}: at most "
-                f"{budget // block_bytes} blocks. Lower num_kvcache_blocks, or set it to -1 to size the "
-                "cache from memory."
+                f"{(budget - state_bytes) // block_bytes} blocks. Lower num_kvcache_blocks, or set it to -1 to size "
+                "the cache from memory."
             )
         num_blocks = num_kvcache_blocks
     elif num_kvcache_blocks == 0:
@@ -318,7 +371,7 @@ def plan_kv_cache(
             "num_kvcache_blocks = 0 leaves no KV cache. Set it to -1 to size the cache from memory."
         )
     else:
-        num_blocks = budget // block_bytes
+        num_blocks = (budget - state_bytes) // block_bytes
         if num_blocks == 0:
             raise OutOfMemoryError(
                 f"No room for a single KV block ({format_bytes(block_bytes)}): {breakdown}. Raise "
@@ -327,7 +380,8 @@ def plan_kv_cache(
     return KVCachePlan(
         num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size, budget_bytes=budget,
         weights_bytes=weights_bytes, activation_bytes=activation_bytes, other_bytes=other_bytes,
-        total_bytes=total_bytes, max_model_len=max_model_len, graph_bytes=graph_bytes,
+        total_bytes=total_bytes, max_model_len=max_model_len, graph_bytes=graph_bytes, num_state_slots=num_slots,
+        state_slot_bytes=state_slot_bytes,
     )  # fmt: skip
 
 
@@ -369,8 +423,9 @@ def describe_weights(spec: ModelSpec, weights_bytes: int) -> str:
             f"({spec.num_moe_layers} layers x {spec.num_experts} experts)")
 
 
-def plan_cpu_kv_cache(config, block_bytes: int) -> KVCachePlan:
-    """Size the KV cache on CPU: the budget is config.cpu_kvcache_space_gib, checked against free RAM.
+def plan_cpu_kv_cache(config, block_bytes: int, state_slot_bytes: int = 0) -> KVCachePlan:
+    """Size the KV cache on CPU: the budget is config.cpu_kvcache_space_gib, checked against free RAM; a hybrid
+    model's state slots (state_slot_bytes each) come out of it first (plan_state_slots).
 
     Call it after the weights are loaded, so that MemAvailable no longer counts them.
     """
@@ -386,13 +441,15 @@ def plan_cpu_kv_cache(config, block_bytes: int) -> KVCachePlan:
         )
     block_size = config.kvcache_block_size
     user_blocks = config.num_kvcache_blocks
-    if user_blocks > 0 and user_blocks * block_bytes > budget:
+    num_slots = plan_state_slots(budget, state_slot_bytes, config.max_num_seqs, block_bytes, user_blocks)
+    kv_budget = budget - num_slots * state_slot_bytes
+    if user_blocks > 0 and user_blocks * block_bytes > kv_budget:
         raise OutOfMemoryError(
             f"num_kvcache_blocks = {user_blocks} needs {format_bytes(user_blocks * block_bytes)} "
             f"({user_blocks} x {block_bytes:,} bytes) but cpu_kvcache_space_gib = {space} "
-            f"allows {budget // block_bytes} blocks. Raise cpu_kvcache_space_gib or lower num_kvcache_blocks."
+            f"allows {kv_budget // block_bytes} blocks. Raise cpu_kvcache_space_gib or lower num_kvcache_blocks."
         )
-    num_blocks = user_blocks if user_blocks > 0 else budget // block_bytes
+    num_blocks = user_blocks if user_blocks > 0 else kv_budget // block_bytes
     if num_blocks <= 0:
         raise OutOfMemoryError(
             f"cpu_kvcache_space_gib = {space} ({format_bytes(budget)}) is smaller than one KV block "
@@ -401,7 +458,7 @@ def plan_cpu_kv_cache(config, block_bytes: int) -> KVCachePlan:
     return KVCachePlan(
         num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size, budget_bytes=budget,
         weights_bytes=0, activation_bytes=0, other_bytes=0, total_bytes=available or budget,
-        max_model_len=config.max_model_len,
+        max_model_len=config.max_model_len, num_state_slots=num_slots, state_slot_bytes=state_slot_bytes,
     )  # fmt: skip
 
 
@@ -456,6 +513,14 @@ def _read_safetensors_header(path: Path) -> dict:
 def estimate_weights_bytes(spec: ModelSpec, dtype: torch.dtype | str) -> int:
     """Bytes of a model's parameters (its ModelSpec's count), in `dtype`."""
     return spec.total_params * dtype_bytes(dtype)
+
+
+def warmup_shape(config, num_blocks: int) -> tuple[int, int]:
+    """(sequences, tokens each) of the warm-up pass: max_num_batched_tokens tokens (at most the cache's), over
+    enough sequences that none is longer than max_model_len - 1 (the rotary table's end)."""
+    num_tokens = min(config.max_num_batched_tokens, (num_blocks - 1) * config.kvcache_block_size)
+    num_seqs = min(config.max_num_seqs, max(1, -(-num_tokens // max(config.max_model_len - 1, 1))))
+    return num_seqs, min(num_tokens // num_seqs, config.max_model_len - 1)
 
 
 def max_sampled_rows(max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int) -> int:

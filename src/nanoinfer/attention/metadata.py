@@ -25,6 +25,9 @@ class AttentionMetadata:
     # identity); a CUDA graph's metadata, updated in place between replays, leaves them None.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Models with linear-attention layers (attention/gated_delta.py): each sequence's slot in the state cache
+    # ([num_seqs] int32; -1 reads and writes nothing). None for the others.
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

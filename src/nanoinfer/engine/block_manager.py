@@ -5,6 +5,9 @@ block before it with its own token ids (xxhash), so equal hashes mean equal pref
 checked token by token. Freed blocks keep their hash and stay reusable until the free list hands them
 out again, when the stale hash is dropped.
 
+A hybrid model (linear-attention layers) also needs one state slot a running sequence: allocate_slots gives one
+with the sequence's first blocks (all or nothing, like the blocks) and free returns it.
+
 NOTE: identical full blocks computed at the same time by two sequences are not de-duplicated, so that
 block tables stay append-only (vLLM's block_pool.py makes the same choice).
 """
@@ -40,8 +43,10 @@ def hash_block(parent_hash: int | None, token_ids) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0):
         self.block_size = block_size
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # pop() hands out the lowest first
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Eviction order: the head is handed out first. Blocks without a cached hash go to the head when
@@ -87,12 +92,17 @@ class BlockManager:
         All or nothing: on False nothing changed."""
         num_tokens = seq.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
         num_new_blocks = self.num_blocks_for(num_tokens) - len(seq.block_table) - len(computed_block_ids)
-        if num_new_blocks <= 0 and not computed_block_ids:
+        needs_state_slot = self.num_state_slots > 0 and seq.state_slot < 0
+        if needs_state_slot and not self.free_state_slots:
+            return False
+        if num_new_blocks <= 0 and not computed_block_ids and not needs_state_slot:
             return True  # most decode steps: the last block still has room
         # Hit blocks nobody holds sit in the free list: taking them uses up free capacity too.
         num_revived = sum(1 for b in computed_block_ids if self.blocks[b].ref_count == 0)
         if num_new_blocks + num_revived > self.num_free_blocks:
             return False
+        if needs_state_slot:
+            seq.state_slot = self.free_state_slots.pop()
         for block_id in computed_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -142,3 +152,6 @@ class BlockManager:
                     self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_hashed_blocks = 0
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1

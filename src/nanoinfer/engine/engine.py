@@ -44,9 +44,11 @@ class LLMEngine:
         block_bytes = memory.kv_block_bytes(
             config.model_spec, config.kvcache_block_size, config.tensor_parallel_size, kv_cache_dtype_of(config)
         )
-        self.model_runner, self.plan = self.platform.build_runner(config, block_bytes, make_executor)
+        slot_bytes = memory.state_slot_bytes(config.model_spec, config.tensor_parallel_size, config.dtype)
+        self.model_runner, self.plan = self.platform.build_runner(config, block_bytes, make_executor, slot_bytes)
         logger.info(self.plan.summary_line())
-        self.block_manager = BlockManager(self.plan.num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.plan.num_blocks, config.kvcache_block_size, config.enable_prefix_caching,
+                                          num_state_slots=self.plan.num_state_slots)  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

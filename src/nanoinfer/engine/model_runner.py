@@ -1,6 +1,7 @@
 """SchedulerOutput -> batch tensors + AttentionMetadata -> model forward -> sampled token ids.
 
 Owns the model and the KV cache (one (k, v) pair per layer that owns one, [num_blocks, block_size, H_kv, D]),
+a hybrid model's state cache (one (conv_state, ssm_state) pair per linear-attention layer, one slot a sequence),
 both made through the process's platform (platforms/, chosen by whoever builds the runner), which also says
 whether a fused decode runner takes pure-decode steps.
 Only sequences whose step reaches their last token are sampled; a prefill chunk that stops short
@@ -48,7 +49,7 @@ def kv_cache_dtype_of(config) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config, num_blocks: int):
+    def __init__(self, config, num_blocks: int, num_state_slots: int = 0):
         self.config = config
         hf_config = config.hf_config
         self.device = torch.device(config.device)
@@ -71,8 +72,11 @@ class ModelRunner:
         # A layer that reads an earlier layer's keys and values (Gemma 4's KV sharing) owns no cache: it is handed
         # that layer's tensors (and stores nothing into them).
         self.kv_shared_from = [getattr(a, "kv_shared_from", None) for a in self.model.attention_layers()]
+        # Which decoder layers hold a state slot rather than a KV cache (a hybrid model's linear-attention ones)
+        self.is_linear_layer = [getattr(layer.self_attn, "is_linear_attention", False)
+                                for layer in self.model.model.layers]  # fmt: skip
         self.graph_runner = None  # a CUDAGraphRunner once captured
-        self.allocate_kv_cache(num_blocks)
+        self.allocate_kv_cache(num_blocks, num_state_slots)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -97,10 +101,10 @@ class ModelRunner:
     def release_cuda_graphs(self) -> None:
         self.graph_runner = None  # the graphs' memory pool goes with them
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         self.graph_runner = None  # captured graphs point at the old cache
         self.decode_runner = None
-        self.kv_cache = self.kv_caches = None  # drop the old cache before allocating the new one
+        self.kv_cache = self.kv_caches = self.state_cache = None  # drop the old caches before allocating new ones
         owners = [i for i, source in enumerate(self.kv_shared_from) if source is None]
         shapes = [(num_blocks, self.block_size, *self.kv_head_shapes[i]) for i in owners]
         self.num_blocks = num_blocks
@@ -109,7 +113,19 @@ class ModelRunner:
         if len(owners) < len(self.kv_shared_from):  # one (k, v) pair a layer, a sharing layer's its source's
             owned = dict(zip(owners, self.kv_cache.layers))
             self.kv_caches = [owned[i if source is None else source] for i, source in enumerate(self.kv_shared_from)]
+        self.num_state_slots = num_state_slots
+        linear = self.model.linear_attention_layers()
+        if linear:
+            shapes = [layer.state_shapes(num_state_slots) for layer in linear]
+            self.state_cache = self.platform.allocate_state_cache(shapes, self.dtype, self.device)
+            self.kv_caches = self.layer_caches(self.kv_caches, self.state_cache)
         self.decode_runner = self.platform.decode_runner(self.model, self.kv_caches, self.backend)
+
+    def layer_caches(self, kv_caches: list, state_cache: list) -> list:
+        """One cache a decoder layer, in layer order: its (k, v) pair, or a linear-attention layer's (conv_state,
+        ssm_state)."""
+        kv, state = iter(kv_caches), iter(state_cache)
+        return [next(state) if linear else next(kv) for linear in self.is_linear_layer]
 
     def run_model(self, input_ids, positions, metadata: AttentionMetadata, logits_indices=None) -> torch.Tensor:
         """The model's forward pass over this runner's cache (every rank's, eager): the final hidden states
@@ -138,17 +154,16 @@ class ModelRunner:
         from nanoinfer.engine.sequence import Request
         from nanoinfer.sampling_params import SamplingParams
 
-        config = self.config
-        num_tokens = min(config.max_num_batched_tokens, (self.num_blocks - 1) * self.block_size)
-        # Enough sequences that none is longer than max_model_len - 1 (the rotary table's end).
-        num_seqs = min(config.max_num_seqs, max(1, -(-num_tokens // max(config.max_model_len - 1, 1))))
-        per_seq = min(num_tokens // num_seqs, config.max_model_len - 1)
+        num_seqs, per_seq = memory.warmup_shape(self.config, self.num_blocks)
+        if self.state_cache is not None:
+            num_seqs = min(num_seqs, self.num_state_slots)  # one state slot each
         out = SchedulerOutput()
         next_block = 0
         for i in range(num_seqs):
             seq = Request(f"warmup-{i}", [0] * per_seq, SamplingParams(max_tokens=1)).sequences[0]
             num_blocks = -(-per_seq // self.block_size)
             seq.block_table = list(range(next_block, next_block + num_blocks))
+            seq.state_slot = i if self.state_cache is not None else -1
             next_block += num_blocks
             out.scheduled.append((seq, per_seq))
         self.execute(out)
@@ -191,6 +206,7 @@ class ModelRunner:
         sample_indices: list[int] = []
         sample_seqs: list[Sequence] = []
         tables: list[list[int]] = []
+        state_slots: list[int] = []
         bs = self.block_size
         max_blocks = 0
         # Host work is paid on every step, before the GPU gets anything to do: plain list appends, a decode
@@ -233,6 +249,7 @@ class ModelRunner:
             query_lens.append(num_new)
             seq_lens.append(end)
             tables.append(table)
+            state_slots.append(seq.state_slot)
             if len(table) > max_blocks:
                 max_blocks = len(table)
             if end == seq.num_tokens:
@@ -254,6 +271,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            state_slots=torch.tensor(state_slots, dtype=torch.int32, device=dev) if self.state_cache else None,
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=dev),

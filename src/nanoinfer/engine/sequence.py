@@ -35,6 +35,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks of block_table already registered in the prefix cache
+        self.state_slot = -1  # a hybrid model's state-cache slot while running (BlockManager), else -1
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # stop | length | error
         self.stop_reason: int | str | None = None

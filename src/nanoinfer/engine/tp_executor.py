@@ -77,7 +77,7 @@ class TensorParallelExecutor:
             is in the message). The executor is unusable afterwards and its other workers are stopped.
     """
 
-    def __init__(self, config, num_blocks: int):
+    def __init__(self, config, num_blocks: int, num_state_slots: int = 0):
         self.config = config
         self.tp_size = tp = config.tensor_parallel_size
         self._state = _State()
@@ -99,12 +99,12 @@ class TensorParallelExecutor:
         self._atexit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._atexit)
         try:
-            self._start_workers(config, num_blocks, backend, store.port, num_threads)
+            self._start_workers(config, num_blocks, num_state_slots, backend, store.port, num_threads)
             self._wait_for_all("hello", "while starting")
             dist.init_process_group(backend, store=store, rank=0, world_size=tp, timeout=timeout)
             set_tensor_parallel(0, tp)
             try:
-                self.runner = ModelRunner(config, num_blocks)
+                self.runner = ModelRunner(config, num_blocks, num_state_slots)
             finally:
                 set_tensor_parallel(0, 1)  # layers read it when built; later single-process models must see 1
             self._wait_for_all("ready", "while starting")
@@ -144,11 +144,11 @@ class TensorParallelExecutor:
         input_ids, positions, metadata, sample_indices, _ = self.runner.prepare_inputs(out)
         return self._forward(input_ids, positions, metadata, sample_indices, with_logits=True).float()
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         self._check_usable()
         with contextlib.suppress(OSError):  # a dead worker is reported by the wait below
-            self._send_all(("allocate_kv_cache", num_blocks))
-        self.runner.allocate_kv_cache(num_blocks)
+            self._send_all(("allocate_kv_cache", num_blocks, num_state_slots))
+        self.runner.allocate_kv_cache(num_blocks, num_state_slots)
         self._wait_for_all("ready", "while allocating its KV cache")
 
     def warmup(self) -> None:
@@ -181,13 +181,15 @@ class TensorParallelExecutor:
             self.close()
 
     # ---- internals ------------------------------------------------------------------------------------
-    def _start_workers(self, config, num_blocks: int, backend: str, port: int, num_threads: int) -> None:
+    def _start_workers(self, config, num_blocks: int, num_state_slots: int, backend: str, port: int,
+                       num_threads: int) -> None:
         ctx = mp.get_context("spawn")
         # The platform this process chose (LLMEngine, before starting us) decides for every rank.
         cpu_kernels = "wait" if current_platform().name == "cpu" else "off"
         for rank in range(1, self.tp_size):
             args = WorkerArgs(rank, self.tp_size, config, num_blocks, backend, port, COLLECTIVE_TIMEOUT_S,
-                              num_threads, parent_pid=os.getpid(), cpu_kernels=cpu_kernels)
+                              num_threads, parent_pid=os.getpid(), cpu_kernels=cpu_kernels,
+                              num_state_slots=num_state_slots)
             parent_conn, child_conn = ctx.Pipe()
             process = ctx.Process(target=worker_main, args=(args, child_conn), name=f"nanoinfer-tp{rank}",
                                   daemon=True)
@@ -366,9 +368,9 @@ def _close_at_exit(ref: weakref.ref) -> None:
 
 
 
-def make_executor(config, num_blocks: int):
+def make_executor(config, num_blocks: int, num_state_slots: int = 0):
     """What runs the model for an engine: a ModelRunner in this process, or with tensor_parallel_size > 1 the
     executor that runs rank 0 here and the other ranks in worker processes (the same surface, close() included)."""
     if config.tensor_parallel_size > 1:
-        return TensorParallelExecutor(config, num_blocks)
-    return ModelRunner(config, num_blocks)
+        return TensorParallelExecutor(config, num_blocks, num_state_slots)
+    return ModelRunner(config, num_blocks, num_state_slots)

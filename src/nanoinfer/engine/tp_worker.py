@@ -43,12 +43,13 @@ class WorkerArgs:
     # Rank 0's choice of the CPU kernels ("wait": use them, "off": plain torch), so that every rank runs the same
     # platform: with cpu_kernels auto, each rank deciding on its own could see a background build half done.
     cpu_kernels: str = "off"
+    num_state_slots: int = 0  # a hybrid model's state cache: one slot a running sequence
 
 
 # ---- messages -------------------------------------------------------------------------------------------
 # rank 0 -> worker: ("step", input_ids, positions, metadata fields, sample_indices, with_logits),
-# ("allocate_kv_cache", num_blocks), ("shutdown",). worker -> rank 0: ("hello",) once its imports are done,
-# ("ready",) once its shard is loaded and after each cache allocation, ("error", traceback) before it exits.
+# ("allocate_kv_cache", num_blocks, num_state_slots), ("shutdown",). worker -> rank 0: ("hello",) once its imports are
+# done, ("ready",) once its shard is loaded and after each cache allocation, ("error", traceback) before it exits.
 # Tensors travel as numpy arrays: plain pickle copies them in band, with no shared-memory handles to leak.
 
 
@@ -118,7 +119,7 @@ def _build_runner(args: WorkerArgs) -> ModelRunner:
     dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.tp_size,
                             timeout=timedelta(seconds=args.timeout_s))
     set_tensor_parallel(args.rank, args.tp_size)  # this process only ever builds this one shard
-    return ModelRunner(config, args.num_blocks)
+    return ModelRunner(config, args.num_blocks, args.num_state_slots)
 
 
 def _serve(runner, conn) -> int:
@@ -134,7 +135,7 @@ def _serve(runner, conn) -> int:
             if kind == "step":
                 forward_shard(runner, *unpack_step(message, runner.device))
             elif kind == "allocate_kv_cache":
-                runner.allocate_kv_cache(message[1])
+                runner.allocate_kv_cache(message[1], message[2])
                 send(conn, ("ready",))
             else:
                 raise AssertionError(f"unknown message {kind!r}")

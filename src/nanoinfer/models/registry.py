@@ -29,6 +29,11 @@ _MODELS = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM", "mixtral"),
     # gpt-oss entry
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM", "gpt_oss"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM", "qwen3_next"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
 }
 # GGUF general.architecture -> HF architecture
 _GGUF = {

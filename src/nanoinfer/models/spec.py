@@ -27,11 +27,35 @@ class AttentionLayerSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionLayerSpec:
+    """One Gated DeltaNet layer as the state cache and the roofline see it (all ranks together): a sequence's state is
+    its convolution's last kernel_size - 1 inputs over q, k and v, and a k_head_dim x v_head_dim float32 matrix a
+    value head."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel_size: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    def state_bytes(self, tensor_parallel_size: int, conv_dtype_bytes: int) -> int:
+        """One sequence's state in this layer on one rank: the convolution's inputs in the model's dtype and the delta
+        rule's matrices in float32."""
+        tp = tensor_parallel_size
+        conv = self.conv_channels // tp * (self.conv_kernel_size - 1) * conv_dtype_bytes
+        return conv + self.num_v_heads // tp * self.k_head_dim * self.v_head_dim * 4
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     architecture: str  # the registry's name for the family class, e.g. "Gemma2ForCausalLM"
     hidden_size: int
     vocab_size: int
-    layers: tuple[AttentionLayerSpec, ...]
+    layers: tuple[AttentionLayerSpec, ...]  # the layers with attention (all but a hybrid model's linear ones)
     intermediate_size: int  # the widest MLP's (activation estimates)
     embedding_params: int  # the input embedding table(s)
     layer_params: int  # every decoder layer together: projections, biases, norms
@@ -47,10 +71,21 @@ class ModelSpec:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_intermediate_size: int = 0  # each expert's width, split over tensor-parallel ranks
+    # A hybrid model's linear-attention layers (Qwen3-Next, Qwen3.5): a fixed-size state per sequence, not a KV cache
+    linear_attention_layers: tuple[LinearAttentionLayerSpec, ...] = ()
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return len(self.layers) + len(self.linear_attention_layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Has linear-attention layers: each running sequence needs a state slot beside its KV blocks."""
+        return bool(self.linear_attention_layers)
+
+    def state_bytes_per_sequence(self, tensor_parallel_size: int, conv_dtype_bytes: int) -> int:
+        """One state slot on one rank: every linear-attention layer's state of one sequence (0 without any)."""
+        return sum(layer.state_bytes(tensor_parallel_size, conv_dtype_bytes) for layer in self.linear_attention_layers)
 
     @property
     def expert_params(self) -> int:
@@ -68,10 +103,11 @@ class ModelSpec:
 
     def check_tensor_parallel(self, tensor_parallel_size: int) -> bool:
         """Query and KV heads must split evenly over ranks in every layer, as the engine shards them (it does not
-        replicate KV heads), so must each expert's width, and the family must shard at all."""
+        replicate KV heads), so must each expert's width and each linear-attention layer's key and value heads, and
+        the family must shard at all."""
         tp = tensor_parallel_size
         if tp > 1 and not self.supports_tensor_parallel:
             return False
         return tp >= 1 and self.expert_intermediate_size % tp == 0 and all(
             layer.num_heads % tp == 0 and layer.num_kv_heads % tp == 0 for layer in self.layers
-        )
+        ) and all(layer.num_k_heads % tp == 0 and layer.num_v_heads % tp == 0 for layer in self.linear_attention_layers)

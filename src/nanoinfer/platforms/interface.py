@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.attention import gated_delta
+
 
 class Platform:
     name = "torch"
@@ -32,8 +34,9 @@ class Platform:
     def setup_process(self, config, num_threads: int | None = None) -> None:
         """Once per process, before the model loads (threads, allocator)."""
 
-    def build_runner(self, config, block_bytes: int, make_runner):
-        """(runner, KV-cache plan): size the cache for this device and build `make_runner(config, num_blocks)`."""
+    def build_runner(self, config, block_bytes: int, make_runner, state_slot_bytes: int = 0):
+        """(runner, KV-cache plan): size the cache for this device (KV blocks of block_bytes, and a hybrid model's
+        state slots of state_slot_bytes) and build `make_runner(config, num_blocks, num_state_slots)`."""
         raise NotImplementedError
 
     def prepare_model(self, model: nn.Module) -> int:
@@ -109,6 +112,27 @@ class Platform:
             out.index_add_(0, rows, y)
             start += count
         return out
+
+    # Linear attention (Gated DeltaNet layers): each sequence continues from its slot of the state cache
+    # (attention/gated_delta.py: the layout, and these reference versions)
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                      metadata) -> torch.Tensor:  # fmt: skip
+        """silu of the causal depthwise convolution of each sequence's rows x [T, C] with weight [C, K]."""
+        return gated_delta.causal_conv1d(x, weight, conv_state, metadata)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, ssm_state: torch.Tensor, metadata) -> torch.Tensor:  # fmt: skip
+        """The gated delta rule's output [T, H_v, D_v] for each sequence's rows (q and k normalised inside)."""
+        return gated_delta.gated_delta_rule(q, k, v, g, beta, ssm_state, metadata)
+
+    def allocate_state_cache(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]], conv_dtype: torch.dtype,
+                             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """One (conv_state, ssm_state) pair a linear-attention layer, of the shapes given (the model's dtype and
+        float32). Never read before written: a sequence without context starts from zeros, not from its slot."""
+        return [(torch.zeros(conv, dtype=conv_dtype, device=device), torch.zeros(ssm, dtype=torch.float32,
+                                                                                  device=device))
+                for conv, ssm in shapes]  # fmt: skip
 
     def has_greedy_lm_head(self, lm_head: nn.Module) -> bool:
         """Does greedy_token_ids skip writing the logits (a kernel takes the argmax from the GEMM)?"""

@@ -77,7 +77,9 @@ def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidd
     model = getattr(transformers, model_class)(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("linear_attn.norm.weight"):  # the gated norm scales by w, whatever the family's norms
+                param.normal_(1.0, 0.1)
+            elif name.endswith("norm.weight"):
                 # Gemma's norms scale by 1 + w: centre theirs on 0 so every family's scale is about 1.
                 param.normal_(0.0 if config_class.startswith(_PLUS_ONE_NORMS) else 1.0, 0.1)
             elif name.endswith("bias"):
@@ -98,8 +100,8 @@ def _no_options(num_layers: int) -> dict:
     return {}
 
 
-# Config classes whose norms scale by 1 + w (Gemma 1-3); Gemma 4's scale by w, as the other families'.
-_PLUS_ONE_NORMS = ("GemmaConfig", "Gemma2Config", "Gemma3Config", "Gemma3TextConfig")
+# Config classes whose norms scale by 1 + w (Gemma 1-3, Qwen3-Next, Qwen3.5); Gemma 4's scale by w, as the others'.
+_PLUS_ONE_NORMS = ("GemmaConfig", "Gemma2Config", "Gemma3Config", "Gemma3TextConfig", "Qwen3NextConfig", "Qwen3_5")
 
 
 # family -> (transformers config class, model class, the options its published checkpoints set, in a form a test's
@@ -161,6 +163,25 @@ TINY_FAMILIES = {
                    lambda n: dict(_gemma4_options(n), enable_moe_block=True, num_experts=8, top_k_experts=2,
                                   moe_intermediate_size=32),
                    True),  # fmt: skip
+    # hybrid linear attention: Gated DeltaNet layers among gated attention ones, experts plus a shared expert (one
+    # dense layer among them, as mlp_only_layers allows)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   lambda n: dict(_hybrid_options(n), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                                  mlp_only_layers=[1]),
+                   False),  # fmt: skip
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", lambda n: _hybrid_options(n), True),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    lambda n: dict(_hybrid_options(n), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48),
+                    False),  # fmt: skip
+    # the form Qwen publishes: model.language_model.* beside model.visual.*, run for its text part
+    "qwen3_5_multimodal": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
+                           lambda n: dict(text_config=_hybrid_options(n),
+                                          vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                             out_hidden_size=64, patch_size=14,
+                                                             num_position_embeddings=16)),
+                           True),  # fmt: skip
     # the published checkpoints' form: language_model.* beside a vision and an audio tower, run for its text part
     "gemma4_multimodal": ("Gemma4Config", "Gemma4ForConditionalGeneration",
                           lambda n: dict(text_config=_gemma4_options(n),
@@ -224,6 +245,17 @@ def _gemma4_options(num_layers: int) -> dict:
                 use_double_wide_mlp=True, hidden_size_per_layer_input=8,
                 vocab_size_per_layer_input=512,  # the tiny tokenizer's vocabulary (build_tokenizer)
                 final_logit_softcapping=3.0)
+
+
+def _hybrid_options(num_layers: int) -> dict:
+    """Qwen3-Next's and Qwen3.5's: linear-attention layers (2 key heads, each serving 2 of 4 value heads, as the
+    published 16 : 32; a 4-tap convolution) with a gated attention layer between them, so the last layer is a linear
+    one; rotary on half of each head (a quarter published); at least 3 layers."""
+    n = max(num_layers, 3)
+    layer_types = ["full_attention" if i % 3 == 1 else "linear_attention" for i in range(n)]
+    return dict(num_hidden_layers=n, layer_types=layer_types, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
 
 
 def _gpt_oss_options(num_layers: int) -> dict:

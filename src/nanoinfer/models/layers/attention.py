@@ -21,13 +21,16 @@ class Attention(nn.Module):
     sinks: a learned logit per head added to the softmax's sum, with no value (gpt-oss's `self_attn.sinks`);
     q_norm / k_norm: a norm over each head (Qwen3, Gemma 3) or, with qk_norm_per_head=False, over the whole
     projection (OLMo 2: under tensor parallelism the norm reads every rank's part);
-    rotary: None for a layer without position embedding (SmolLM3's no-rope layers)."""
+    rotary: None for a layer without position embedding (SmolLM3's no-rope layers);
+    output_gate: the query projection also gives each head a gate, and the output is scaled by its sigmoid before
+    o_proj (Qwen3-Next, Qwen3.5: q_proj's rows are each head's query then its gate)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  backend: AttentionBackend, rotary: RotaryEmbedding | None, *, qkv_bias: bool = False,
                  o_bias: bool = False, scale: float | None = None, sliding_window: int | None = None,
                  soft_cap: float | None = None, sinks: bool = False, q_norm: nn.Module | None = None,
-                 k_norm: nn.Module | None = None, qk_norm_per_head: bool = True):  # fmt: skip
+                 k_norm: nn.Module | None = None, qk_norm_per_head: bool = True,
+                 output_gate: bool = False):  # fmt: skip
         super().__init__()
         # The shard this layer holds, read once: rank 0 builds its shard under tensor parallelism, then runs it with
         # the process-wide setting back at 1.
@@ -45,7 +48,9 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if sinks else None
         if sinks:
             self.sinks.weight_loader = self._load_sinks
-        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.output_gate = output_gate
+        query_rows = 2 * num_heads if output_gate else num_heads  # a gated head's query rows, then its gate rows
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, query_rows, num_kv_heads, qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.qk_norm = q_norm is not None
         if self.qk_norm:
@@ -59,7 +64,14 @@ class Attention(nn.Module):
         """Attention's output projected back to the hidden size: every row, or only output_rows (see
         DecoderModel.forward: the last layer's other rows are never read)."""
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q_gate = q_gate.view(-1, self.num_heads, 2 * self.head_dim)
+            q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :].reshape(-1, self.q_size)
+            q = q.reshape(-1, self.q_size)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm and not self.qk_norm_per_head:
             q, k = self._whole_norm(self.q_norm, q), self._whole_norm(self.k_norm, k)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -77,6 +89,8 @@ class Attention(nn.Module):
                                    sliding_window=self.sliding_window, soft_cap=self.soft_cap,
                                    sinks=None if self.sinks is None else self.sinks.float())  # fmt: skip
         out = out.reshape(-1, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out if output_rows is None else out[output_rows])
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.models.layers.attention import Attention
 from nanoinfer.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.models.layers.rotary import RotaryEmbedding
-from nanoinfer.models.spec import AttentionLayerSpec, ModelSpec
+from nanoinfer.models.spec import AttentionLayerSpec, LinearAttentionLayerSpec, ModelSpec
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -169,7 +169,14 @@ class CausalLM(nn.Module):
         return [(name, tensor_fn)]
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+        """Each layer's attention (a hybrid model's attention layers only): the layers with a KV cache."""
+        return [layer.self_attn for layer in self.model.layers
+                if not getattr(layer.self_attn, "is_linear_attention", False)]  # fmt: skip
+
+    def linear_attention_layers(self) -> list[nn.Module]:
+        """A hybrid model's Gated DeltaNet layers (models/layers/gated_delta_net.py): the layers with a state slot."""
+        return [layer.self_attn for layer in self.model.layers
+                if getattr(layer.self_attn, "is_linear_attention", False)]  # fmt: skip
 
     def rotary_embeddings(self) -> list[RotaryEmbedding]:
         """Every distinct rotary table (layers share them), to move with the model."""
@@ -192,6 +199,10 @@ class CausalLM(nn.Module):
         experts = [m for m in self.model.layers.modules() if getattr(m, "uses_expert_method", False)]
         routers = [m for m in self.model.layers.modules() if hasattr(m, "top_k")]
         moe = {}
+        linear = tuple(
+            LinearAttentionLayerSpec(m.num_k_heads, m.num_v_heads, m.k_head_dim, m.v_head_dim, m.conv_kernel_size)
+            for m in self.linear_attention_layers()
+        )
         if experts:
             top_k = max(r.top_k for r in routers)
             widths.append(top_k * max(m.intermediate_size for m in experts))  # a token's rows through the experts
@@ -206,5 +217,5 @@ class CausalLM(nn.Module):
             layer_params=count(self.model.layers), matmul_params=matmul,
             final_norm_params=count(self.model.norm),
             lm_head_params=0 if self.tie_word_embeddings else self.lm_head.weight.numel(),
-            supports_tensor_parallel=self.supports_tensor_parallel, **moe,
+            supports_tensor_parallel=self.supports_tensor_parallel, linear_attention_layers=linear, **moe,
         )  # fmt: skip

@@ -2,6 +2,7 @@
 projections run through the platform's expert method as grouped GEMMs over every expert at once.
 
     SparseMoeBlock   gate (TopKRouter) -> experts (FusedMoE)                   Qwen3-MoE, Mixtral, gpt-oss
+    SharedExpertMoeBlock  the same plus a shared expert every token runs      Qwen3-Next, Qwen3.5-MoE
     FusedMoE         w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I], optional biases
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension (I / tp): the gate/up
@@ -135,6 +136,19 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         return self.experts(x, topk_weights, topk_ids)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """SparseMoeBlock plus a dense expert every token runs, scaled by sigmoid(x g^T) with g one row of weights
+    (`shared_expert_gate`, replicated on every rank)."""
+
+    def __init__(self, gate: TopKRouter, experts: FusedMoE, shared_expert: nn.Module, hidden_size: int):
+        super().__init__(gate, experts)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 # Checkpoint names of expert weights -> (FusedMoE parameter, shard id): one expert's projection (HF's per-expert

@@ -45,12 +45,12 @@ class CpuPlatform(Platform):
     def kernels_description(self) -> str:
         return "off (torch ops)"
 
-    def build_runner(self, config, block_bytes: int, make_runner):
+    def build_runner(self, config, block_bytes: int, make_runner, state_slot_bytes: int = 0):
         from nanoinfer import memory
 
-        plan = memory.plan_cpu_kv_cache(config, block_bytes)
+        plan = memory.plan_cpu_kv_cache(config, block_bytes, state_slot_bytes)
         memory.check_fits(plan, config.max_model_len)
-        return make_runner(config, plan.num_blocks), plan
+        return make_runner(config, plan.num_blocks, plan.num_state_slots), plan
 
     def allocate_kv_cache(self, shapes, dtype: torch.dtype, device: torch.device) -> LazyKVCache:
         return LazyKVCache(shapes, dtype)

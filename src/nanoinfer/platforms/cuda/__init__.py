@@ -103,10 +103,10 @@ class CudaPlatform(Platform):
         return (not config.enforce_eager and config.tensor_parallel_size == 1 and not self.eager_experts
                 and backend_name in ("triton", "flash-attn"))  # fmt: skip
 
-    def build_runner(self, config, block_bytes: int, make_runner):
+    def build_runner(self, config, block_bytes: int, make_runner, state_slot_bytes: int = 0):
         from nanoinfer.platforms.cuda.memory_planning import build_cuda_runner
 
-        return build_cuda_runner(config, block_bytes, make_runner)
+        return build_cuda_runner(config, block_bytes, make_runner, state_slot_bytes)
 
 
 def check_fused_moe(layer) -> str | None:

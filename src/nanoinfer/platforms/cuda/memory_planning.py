@@ -8,17 +8,19 @@ import torch
 from nanoinfer import memory
 
 
-def build_cuda_runner(config, block_bytes: int, make_runner):
-    """Load the model, measure the activation peak with a warm-up pass, then size and allocate the cache."""
+def build_cuda_runner(config, block_bytes: int, make_runner, state_slot_bytes: int = 0):
+    """Load the model, measure the activation peak with a warm-up pass, then size and allocate the cache (and a
+    hybrid model's state slots: the warm-up's own sequences get one each)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     free_before, total = torch.cuda.mem_get_info()
     other_bytes = total - free_before
     # A minimal cache for the warm-up: enough blocks for max_num_batched_tokens tokens.
     warmup_blocks = -(-config.max_num_batched_tokens // config.kvcache_block_size) + 1
-    runner = make_runner(config, warmup_blocks)
+    warmup_slots = memory.warmup_shape(config, warmup_blocks)[0] if state_slot_bytes else 0
+    runner = make_runner(config, warmup_blocks, warmup_slots)
     weights_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    warmup_cache_bytes = warmup_blocks * block_bytes
+    warmup_cache_bytes = warmup_blocks * block_bytes + warmup_slots * state_slot_bytes
     runner.warmup()
     peak = torch.cuda.max_memory_allocated()
     activation_bytes = max(peak - weights_bytes - warmup_cache_bytes, 0)
@@ -29,9 +31,10 @@ def build_cuda_runner(config, block_bytes: int, make_runner):
         activation_bytes=activation_bytes, other_bytes=other_bytes, block_bytes=block_bytes,
         block_size=config.kvcache_block_size, max_model_len=config.max_model_len,
         num_kvcache_blocks=config.num_kvcache_blocks, graph_bytes=graph_bytes, spec=config.model_spec,
+        state_slot_bytes=state_slot_bytes, max_num_seqs=config.max_num_seqs,
     )  # fmt: skip
     memory.check_fits(plan, config.max_model_len)
-    runner.allocate_kv_cache(plan.num_blocks)
+    runner.allocate_kv_cache(plan.num_blocks, plan.num_state_slots)
     if graphs:
         runner.capture_cuda_graphs()  # over the final cache: graphs keep the addresses they were captured on
     return runner, plan

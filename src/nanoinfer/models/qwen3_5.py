@@ -1,0 +1,79 @@
+"""Qwen3.5 and Qwen3.6 (dense 0.8B-27B, and the MoE 35B-A3B to 397B-A17B): Qwen3-Next's hybrid layers with the linear
+layers' input projections published flat (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and a dense MLP in every
+layer, or experts plus a shared expert in every layer of the MoE models, whose top k are always renormalized.
+
+The published checkpoints are vision-language ones (Qwen3_5ForConditionalGeneration: model.language_model.* beside
+model.visual.*): nanoinfer runs their text part and skips the vision tower. Their rotary is multimodal (mrope), but a
+text token's three position ids are equal, and then it is the plain rotary of the partial_rotary_factor.
+transformers' modeling_qwen3_5.py and modeling_qwen3_5_moe.py are the spec.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nanoinfer.models.gemma3 import language_config
+from nanoinfer.models.layers.mlp import GatedMLP
+from nanoinfer.models.qwen3_next import Qwen3NextForCausalLM
+
+# Checkpoint prefixes of a vision-language checkpoint's language model -> ours, and the parts nanoinfer skips
+_LANGUAGE_PREFIXES = (("model.language_model.", "model."),)
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.")
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    def build_mlp(self, hf_config, layer_idx: int) -> nn.Module:
+        return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act)
+
+    def sanitize(self, name: str, tensor_fn):
+        for prefix, ours in _LANGUAGE_PREFIXES:
+            if name.startswith(prefix):
+                name = ours + name[len(prefix) :]
+        if name.startswith(_SKIPPED_PREFIXES):
+            return []
+        if name.endswith(".linear_attn.in_proj_qkv.weight"):
+            return self._split_qkv(name, tensor_fn)
+        return super().sanitize(name, tensor_fn)
+
+    def _split_qkv(self, name: str, tensor_fn):
+        """in_proj_qkv's [q | k | v] rows as the fused projection's q, k and v shards."""
+        layer = self.linear_attention_layers()[0]
+        key_dim = layer.key_size * layer.tp_size
+        bounds = {"q": (0, key_dim), "k": (key_dim, 2 * key_dim), "v": (2 * key_dim, None)}
+
+        def part(which: str):
+            start, end = bounds[which]
+            return lambda: tensor_fn()[start:end]
+
+        name = name.replace(".linear_attn.", ".self_attn.")
+        return [(name.replace(".in_proj_qkv.", f".in_proj_{p}."), part(p)) for p in "qkv"]
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The language model of a Qwen3.5 vision-language checkpoint (the form Qwen publishes); the vision tower is
+    skipped. Built from the top-level config or its text part."""
+
+    def __init__(self, hf_config, backend, max_position: int):
+        super().__init__(language_config(hf_config, "Qwen3_5ForConditionalGeneration"), backend, max_position)
+
+    @classmethod
+    def text_config(cls, hf_config) -> tuple[object, str | None]:
+        return language_config(hf_config, "Qwen3_5ForConditionalGeneration"), ("vision tower skipped: nanoinfer runs "
+                                                                                "the text part")  # fmt: skip
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    def build_mlp(self, hf_config, layer_idx: int) -> nn.Module:
+        return self.build_moe(hf_config, renormalize=True)  # transformers' Qwen3_5MoeTopKRouter always renormalizes
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """The language model of a Qwen3.5 MoE vision-language checkpoint; the vision tower is skipped."""
+
+    def __init__(self, hf_config, backend, max_position: int):
+        super().__init__(language_config(hf_config, "Qwen3_5MoeForConditionalGeneration"), backend, max_position)
+
+    @classmethod
+    def text_config(cls, hf_config) -> tuple[object, str | None]:
+        return language_config(hf_config, "Qwen3_5MoeForConditionalGeneration"), ("vision tower skipped: nanoinfer "
+                                                                                   "runs the text part")  # fmt: skip
