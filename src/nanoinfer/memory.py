@@ -236,12 +236,14 @@ class KVCachePlan:
         return math.ceil((max_model_len or self.max_model_len) / self.block_size)
 
     def max_concurrency(self, max_model_len: int | None = None) -> float:
-        """Sequences of max_model_len tokens the cache holds at once, in whole blocks (vLLM's figure)."""
-        return self.num_blocks / self.blocks_per_sequence(max_model_len)
+        """Sequences of max_model_len tokens the cache holds at once, in whole blocks (vLLM's figure); a hybrid
+        model's also each need a state slot."""
+        concurrency = self.num_blocks / self.blocks_per_sequence(max_model_len)
+        return min(concurrency, self.num_state_slots) if self.num_state_slots else concurrency
 
     def max_num_seqs_that_fit(self, max_model_len: int | None = None) -> int:
-        """Whole sequences of max_model_len tokens that fit side by side."""
-        return self.num_blocks // self.blocks_per_sequence(max_model_len)
+        """Whole sequences of max_model_len tokens that fit side by side (each with a state slot, if hybrid)."""
+        return math.floor(self.max_concurrency(max_model_len))
 
     @property
     def fits_one_sequence(self) -> bool:
@@ -441,7 +443,9 @@ def plan_cpu_kv_cache(config, block_bytes: int, state_slot_bytes: int = 0) -> KV
         )
     block_size = config.kvcache_block_size
     user_blocks = config.num_kvcache_blocks
-    num_slots = plan_state_slots(budget, state_slot_bytes, config.max_num_seqs, block_bytes, user_blocks)
+    num_slots = 0
+    if state_slot_bytes:
+        num_slots = plan_state_slots(budget, state_slot_bytes, config.max_num_seqs, block_bytes, user_blocks)
     kv_budget = budget - num_slots * state_slot_bytes
     if user_blocks > 0 and user_blocks * block_bytes > kv_budget:
         raise OutOfMemoryError(

@@ -1,7 +1,7 @@
 """The roofline: what each engine step must move and compute, set against the device's ceilings.
 
-Counts a step's bytes (weights read once, KV cache read and written, logits written) and FLOPs (the matrix
-multiplies and attention) from the model's shape and the step's StepStats; the ceilings (memory bandwidth,
+Counts a step's bytes (weights read once, KV cache read and written, a hybrid model's recurrent state read and
+written, logits written) and FLOPs (the matrix multiplies, attention and the delta rule) from the model's shape and the step's StepStats; the ceilings (memory bandwidth,
 dense matrix rate) come from memory.GPU_TABLE, from flags, or on CPU from a short probe. A step's floor is
 the longer of bytes / bandwidth and FLOPs / peak. `nanoinfer bench` sums steps by class; nothing here runs
 the model.
@@ -43,6 +43,11 @@ class ModelShape:
     experts_per_token: int = 0
     bytes_per_expert: int = 0  # one expert of one layer, as stored
     params_per_expert: int = 0
+    # A hybrid model's linear-attention layers: one sequence's state (every such layer and rank), read and written
+    # once a step it runs in; the delta rule's FLOPs a token (three matrix-vector products with each value head's
+    # k_head_dim x v_head_dim state: S^T k, the rank-one update, S^T q).
+    state_bytes_per_sequence: int = 0
+    delta_rule_flops_per_token: int = 0
 
     def expected_experts_read(self, num_tokens: int) -> float:
         """Distinct experts a step of num_tokens reads, summed over MoE layers, with tokens routed uniformly and
@@ -75,6 +80,9 @@ class ModelShape:
             num_moe_layers=spec.num_moe_layers, num_experts=spec.num_experts,
             experts_per_token=spec.experts_per_token, bytes_per_expert=expert_bytes // experts,
             params_per_expert=spec.params_per_expert,
+            state_bytes_per_sequence=spec.state_bytes_per_sequence(1, memory.dtype_bytes(dtype)),
+            delta_rule_flops_per_token=sum(6 * layer.num_v_heads * layer.k_head_dim * layer.v_head_dim
+                                           for layer in spec.linear_attention_layers),
         )  # fmt: skip
 
 
@@ -87,10 +95,13 @@ class StepCost:
     kv_write_bytes: int = 0
     logits_bytes: int = 0
     flops: int = 0
+    state_read_bytes: int = 0  # a hybrid model's recurrent state (linear-attention layers)
+    state_write_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_read_bytes + self.kv_write_bytes + self.logits_bytes
+        return (self.weights_bytes + self.kv_read_bytes + self.kv_write_bytes + self.logits_bytes
+                + self.state_read_bytes + self.state_write_bytes)  # fmt: skip
 
     def add(self, other: StepCost) -> None:
         self.weights_bytes += other.weights_bytes
@@ -98,16 +109,20 @@ class StepCost:
         self.kv_write_bytes += other.kv_write_bytes
         self.logits_bytes += other.logits_bytes
         self.flops += other.flops
+        self.state_read_bytes += other.state_read_bytes
+        self.state_write_bytes += other.state_write_bytes
 
 
 def step_cost(shape: ModelShape, num_tokens: int, num_context_tokens: int, num_attention_pairs: int,
-              num_logits_rows: int) -> StepCost:  # fmt: skip
+              num_logits_rows: int, num_seqs: int = 0, num_seqs_with_context: int = 0) -> StepCost:  # fmt: skip
     """The floor's bytes and FLOPs of one step.
 
     Bytes: the weights once; each sequence's context read from the KV cache once (attention reads the
     whole context, this step's tokens included, after storing them); this step's tokens' K and V written; one
-    row of logits per sampled row. FLOPs: 2 per matmul weight per token (decoder layers), 2 per LM-head weight
-    per sampled row, and attention's 4 x head_dim per query head, layer and (query, key) pair (QK^T and PV).
+    row of logits per sampled row; a hybrid model's state written once for each of the step's num_seqs sequences
+    and read once for those continuing from it (num_seqs_with_context: a new one starts from zeros). FLOPs: 2 per
+    matmul weight per token (decoder layers), 2 per LM-head weight per sampled row, attention's 4 x head_dim per
+    query head, layer and (query, key) pair (QK^T and PV), and the delta rule's per token.
     Activations between kernels, norms and the embedding lookup are left out: a floor, not a model of our
     kernels."""
     kv = shape.kv_bytes_per_token
@@ -119,14 +134,17 @@ def step_cost(shape: ModelShape, num_tokens: int, num_context_tokens: int, num_a
         kv_write_bytes=num_tokens * kv,
         logits_bytes=num_logits_rows * shape.logits_bytes_per_row,
         flops=2 * shape.matmul_params * num_tokens + 2 * shape.vocab_size * shape.hidden_size * num_logits_rows
-        + 4 * shape.attention_width * num_attention_pairs + expert_flops,
+        + 4 * shape.attention_width * num_attention_pairs + expert_flops + shape.delta_rule_flops_per_token * num_tokens,
+        state_read_bytes=num_seqs_with_context * shape.state_bytes_per_sequence,
+        state_write_bytes=num_seqs * shape.state_bytes_per_sequence,
     )
 
 
 def stats_cost(shape: ModelShape, stats) -> StepCost:
     """step_cost of an engine StepStats."""
     return step_cost(shape, stats.num_prefill_tokens + stats.num_decode_tokens, stats.num_context_tokens,
-                     stats.num_attention_pairs, stats.num_logits_rows)  # fmt: skip
+                     stats.num_attention_pairs, stats.num_logits_rows, stats.num_seqs,
+                     stats.num_seqs_with_context)  # fmt: skip
 
 
 # ---- ceilings -------------------------------------------------------------------------------------------

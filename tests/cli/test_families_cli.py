@@ -1,5 +1,6 @@
 """check-config and plan-memory on every model family's tiny folder: the config is accepted, and plan-memory's
-KV bytes a token are what the engine allocates (every layer that owns a cache, each of its own shape)."""
+KV bytes a token are what the engine allocates (every layer that owns a cache, each of its own shape), as are a
+hybrid model's state bytes a sequence slot."""
 
 from __future__ import annotations
 
@@ -29,9 +30,14 @@ def test_check_config_and_plan_memory_take_every_family(tmp_path, family):
 
     llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=256, cpu_kvcache_space_gib=0.05)
     runner_ = llm.engine.model_runner
-    allocated = {id(k): k for k, _ in runner_.kv_caches}.values()  # a shared cache counted once
+    allocated = [k for k, _ in runner_.kv_cache.layers]  # the layers that own a cache (not those sharing one)
     bytes_per_token = sum(2 * k.shape[2] * k.shape[3] * k.element_size() for k in allocated)
     assert report["kv_bytes_per_token"] == bytes_per_token
+    states = runner_.state_cache or []
+    slot_bytes = sum(t[0].numel() * t.element_size() for pair in states for t in pair)  # one slot of each tensor
+    assert report["state_slot_bytes"] == slot_bytes
+    assert report["num_state_slots"] == (report["max_num_seqs"] if states else 0)  # an H100 holds every slot
+    assert llm.engine.plan.num_state_slots == runner_.num_state_slots == llm.engine.block_manager.num_state_slots
 
 
 def test_a_family_that_runs_on_one_rank_is_refused_more_ranks_by_name(tmp_path):

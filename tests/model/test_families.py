@@ -1,7 +1,8 @@
 """Every model family beyond the three of test_hf_equivalence.py, as a tiny random model built with transformers'
 own classes and the options its published checkpoints set (a sliding window shorter than the prompts, soft caps,
 partial rotary, ...): greedy float32 output equals transformers token for token, and each chosen token's
-log-probability agrees, in one batch, with chunked prefill, under preemption and on prefix-cache hits."""
+log-probability agrees, in one batch, with chunked prefill, under preemption and on prefix-cache hits (hybrid
+models, whose linear-attention state is not cached, run that workload with prefix caching off)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ FAMILIES = [
     "qwen3_moe_mixed",
     "mixtral",
     "gpt_oss",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_multimodal",
 ]
 NUM_TOKENS = 24
 # Log-probabilities: the engine's float32 logits agree with transformers' to 1e-4 (summation order only; the
@@ -97,6 +102,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(family_models, family_ref
     scheduler, block_manager = llm.engine.scheduler, llm.engine.block_manager
     if regime == "preemption":
         assert scheduler.num_preemptions >= 5, scheduler.num_preemptions
-    if regime == "prefix_cache":
+    if regime == "prefix_cache" and llm.engine.config.model_spec.is_hybrid:
+        assert not llm.engine.config.enable_prefix_caching and block_manager.num_cache_hits == 0
+    elif regime == "prefix_cache":
         assert block_manager.num_cache_hits > 0
     assert block_manager.num_free_blocks == block_manager.num_blocks
+    assert len(block_manager.free_state_slots) == block_manager.num_state_slots  # every slot handed back

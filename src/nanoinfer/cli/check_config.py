@@ -103,8 +103,10 @@ def _print_summary(config, sources: dict) -> None:
     kv_heads = sorted({layer.num_kv_heads for layer in spec.layers}) if spec else []
     experts = (f"{spec.num_experts} experts in {spec.num_moe_layers} layers (top {spec.experts_per_token}), "
                if spec and spec.num_moe_layers else "")  # fmt: skip
+    linear = (f"{len(spec.linear_attention_layers)} of them linear attention (a state slot a sequence), "
+              if spec and spec.is_hybrid else "")  # fmt: skip
     console.print(
-        f"model: {getattr(hf, 'model_type', '?')}, {getattr(hf, 'num_hidden_layers', '?')} layers, "
+        f"model: {getattr(hf, 'model_type', '?')}, {getattr(hf, 'num_hidden_layers', '?')} layers, {linear}"
         f"{getattr(hf, 'num_attention_heads', '?')} attention heads, "
         f"{' / '.join(map(str, kv_heads)) or '?'} KV heads, {experts}"
         f"max_position_embeddings {getattr(hf, 'max_position_embeddings', '?')}",

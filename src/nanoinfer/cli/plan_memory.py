@@ -194,12 +194,14 @@ def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks
             spec, s["max_num_batched_tokens"], s["max_num_seqs"], dtype, tp, s["num_speculative_tokens"]
         ),
         "block_bytes": memory.kv_block_bytes(spec, s["kvcache_block_size"], tp, s["kv_cache_dtype"]),
+        "state_slot_bytes": memory.state_slot_bytes(spec, tp, dtype),
     }
     try:
         plan = memory.plan_kv_cache(
             total_bytes=device["total_bytes"], utilization=s["gpu_memory_utilization"],
             other_bytes=device["other_bytes"], block_size=s["kvcache_block_size"],
-            max_model_len=s["max_model_len"], num_kvcache_blocks=num_kvcache_blocks, spec=spec, **inputs,
+            max_model_len=s["max_model_len"], num_kvcache_blocks=num_kvcache_blocks, spec=spec,
+            max_num_seqs=s["max_num_seqs"], **inputs,
         )  # fmt: skip
         return {**inputs, "plan": plan, "error": None}
     except OutOfMemoryError as e:
@@ -272,6 +274,11 @@ def build_report(s: dict, device: dict) -> dict:
         "num_tokens": plan.num_tokens if plan else 0,
         "kv_bytes": plan.kv_bytes if plan else 0,
         "max_concurrency": round(plan.max_concurrency(), 2) if plan else 0.0,
+        # a hybrid model's linear-attention layers: one state slot a running sequence, from the same budget
+        "linear_attention_layers": len(s["spec"].linear_attention_layers),
+        "state_slot_bytes": run["state_slot_bytes"],
+        "num_state_slots": plan.num_state_slots if plan else 0,
+        "state_bytes": plan.state_bytes if plan else 0,
         "fits": fits,
         "verdict": verdict,
         "largest_max_model_len": plan.max_model_len_that_fits(s["max_position_embeddings"]) if plan else 0,
@@ -320,6 +327,10 @@ def _render(r: dict) -> None:
         ("blocks", f"{r['num_blocks']:,}"),
         ("tokens", f"{r['num_tokens']:,}"),
         (f"max concurrency at max_model_len {r['max_model_len']}", f"{r['max_concurrency']:.2f}"),
+        *([(f"state slot ({r['linear_attention_layers']} linear-attention layers)",
+            f"{size(r['state_slot_bytes'])} ({r['state_slot_bytes']:,} B)"),
+           ("state slots (one a running sequence)", f"{r['num_state_slots']:,} = {size(r['state_bytes'])}")]
+          if r["linear_attention_layers"] else []),
     ]
     for row in rows:
         table.add_row(*row)

@@ -34,6 +34,7 @@ class StepStats:
     num_context_tokens: int = 0  # KV-cache tokens attention read: each sequence's context up to this step's end
     num_attention_pairs: int = 0  # causal (query, key) pairs: over the step's tokens, their position + 1
     num_logits_rows: int = 0  # rows the LM head ran on
+    num_seqs_with_context: int = 0  # sequences with tokens computed before this step (a hybrid model reads their state)
 
 
 class LLMEngine:
@@ -93,21 +94,23 @@ def _is_decode(seq: Sequence, num_new: int) -> bool:
     return decoding and num_new == 1 + len(seq.spec_token_ids)
 
 
-def _count_step(scheduled) -> tuple[int, tuple[int, int, int, int]]:
-    """(prefill tokens, (sequences, context tokens, attention pairs, logits rows)) of a step, before update().
+def _count_step(scheduled) -> tuple[int, tuple[int, int, int, int, int]]:
+    """(prefill tokens, (sequences, context tokens, attention pairs, logits rows, sequences with context)) of a
+    step, before update().
 
     One loop, as the prefill count alone had: it runs on every step. A speculated sequence's rows are each
     sampled; any other sequence has one row when this step reaches its last token."""
-    num_prefill = num_context = num_pairs = num_rows = 0
+    num_prefill = num_context = num_pairs = num_rows = num_continuing = 0
     for seq, num_new in scheduled:
         start = seq.num_computed_tokens
+        num_continuing += start > 0
         end = start + num_new
         if not _is_decode(seq, num_new):
             num_prefill += num_new
         num_context += end
         num_pairs += (end * (end + 1) - start * (start + 1)) // 2  # sum of (position + 1) over start..end-1
         num_rows += num_new if seq.spec_token_ids else end == seq.num_tokens
-    return num_prefill, (len(scheduled), num_context, num_pairs, num_rows)
+    return num_prefill, (len(scheduled), num_context, num_pairs, num_rows, num_continuing)
 
 
 def _make_proposer(config: Config) -> NgramProposer | None:
