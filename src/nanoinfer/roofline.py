@@ -1,10 +1,10 @@
 """The roofline: what each engine step must move and compute, set against the device's ceilings.
 
 Counts a step's bytes (weights read once, KV cache read and written, a hybrid model's recurrent state read and
-written, logits written) and FLOPs (the matrix multiplies, attention and the delta rule) from the model's shape and the step's StepStats; the ceilings (memory bandwidth,
-dense matrix rate) come from memory.GPU_TABLE, from flags, or on CPU from a short probe. A step's floor is
-the longer of bytes / bandwidth and FLOPs / peak. `nanoinfer bench` sums steps by class; nothing here runs
-the model.
+written, logits written) and FLOPs (the matrix multiplies, attention and the delta rule) from the model's shape
+and the step's StepStats; the ceilings (memory bandwidth, dense matrix rate) come from memory.GPU_TABLE, from
+flags, or on CPU from a short probe. A step's floor is the longer of bytes / bandwidth and FLOPs / peak.
+`nanoinfer bench` sums steps by class; nothing here runs the model.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def step_cost(shape: ModelShape, num_tokens: int, num_context_tokens: int, num_a
         kv_write_bytes=num_tokens * kv,
         logits_bytes=num_logits_rows * shape.logits_bytes_per_row,
         flops=2 * shape.matmul_params * num_tokens + 2 * shape.vocab_size * shape.hidden_size * num_logits_rows
-        + 4 * shape.attention_width * num_attention_pairs + expert_flops + shape.delta_rule_flops_per_token * num_tokens,
+        + 4 * shape.attention_width * num_attention_pairs + expert_flops
+        + shape.delta_rule_flops_per_token * num_tokens,
         state_read_bytes=num_seqs_with_context * shape.state_bytes_per_sequence,
         state_write_bytes=num_seqs * shape.state_bytes_per_sequence,
     )
