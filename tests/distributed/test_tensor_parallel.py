@@ -55,6 +55,7 @@ def first_step(prompts: list[list[int]], block_size: int) -> SchedulerOutput:
         seq = Request(f"p{i}", prompt, GREEDY).sequences[0]
         num_blocks = -(-len(prompt) // block_size)
         seq.block_table = list(range(next_block, next_block + num_blocks))
+        seq.state_slot = i  # a hybrid model's state slot (read only by linear-attention layers)
         next_block += num_blocks
         out.scheduled.append((seq, len(prompt)))
     return out
@@ -80,8 +81,10 @@ def sharded_llms(model_dirs):
 
 # Gemma 2: soft caps and windows on sharded heads; Phi-3: fused checkpoint projections split per rank; OLMo 2: q/k
 # norms over the whole projection, gathered from the ranks; Qwen3-MoE: every expert's intermediate dimension split,
-# the weighted sum over experts all-reduced; gpt-oss: attention sinks split with their heads, expert biases added once.
-TP_FAMILIES = ("qwen3", "llama", "gemma2", "phi3", "olmo2", "qwen3_moe", "gpt_oss")
+# the weighted sum over experts all-reduced; gpt-oss: attention sinks split with their heads, expert biases added once;
+# Qwen3-Next, Qwen3.5: linear-attention key and value heads split with their convolution channels, decays and states
+# (Qwen3-Next's projections grouped by key head, Qwen3.5's flat), gated attention heads with their gates.
+TP_FAMILIES = ("qwen3", "llama", "gemma2", "phi3", "olmo2", "qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5")
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)

@@ -245,3 +245,20 @@ def test_failed_allocation_with_hits_on_free_blocks_changes_nothing():
 @pytest.mark.parametrize("num_tokens, expected", [(1, 1), (4, 1), (5, 2), (8, 2), (9, 3)])
 def test_num_blocks_for_rounds_up(num_tokens, expected):
     assert BlockManager(num_blocks=1, block_size=BLOCK_SIZE).num_blocks_for(num_tokens) == expected
+
+
+def test_state_slots_come_with_the_first_blocks_all_or_nothing_and_go_back_on_free():
+    """A hybrid model's sequence takes one state slot with its first allocation; without a free slot nothing is
+    allocated (blocks included), and free() returns the slot for the next sequence."""
+    bm = BlockManager(num_blocks=8, block_size=4, num_state_slots=2)
+    first, second, third = (make_seq(list(range(i, i + 6))) for i in (0, 10, 20))
+    assert bm.allocate_slots(first, 6) and bm.allocate_slots(second, 6)
+    assert (first.state_slot, second.state_slot) == (0, 1)
+    free_blocks = bm.num_free_blocks
+    assert not bm.allocate_slots(third, 6)
+    assert third.state_slot == -1 and third.block_table == [] and bm.num_free_blocks == free_blocks
+    assert bm.allocate_slots(first, 1)  # a running sequence keeps its slot: decode needs no new one
+    assert first.state_slot == 0
+    bm.free(first)
+    assert first.state_slot == -1
+    assert bm.allocate_slots(third, 6) and third.state_slot == 0

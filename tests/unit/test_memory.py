@@ -354,3 +354,23 @@ def test_dtype_bytes():
     assert memory.dtype_bytes("torch.float32") == 4
     with pytest.raises(NanoInferError, match="unknown dtype 'int4'"):
         memory.dtype_bytes("int4")
+
+
+def test_state_slots_take_at_most_half_the_budget_on_either_device_and_never_exceed_max_num_seqs():
+    """plan_kv_cache (CUDA, plan-memory) and plan_cpu_kv_cache split one budget alike: slots first, up to
+    max_num_seqs within STATE_SHARE of it (or what a user's num_kvcache_blocks leaves), blocks from the rest."""
+    block, slot, budget = 1000, 300, 10_000
+    cpu = memory.plan_cpu_kv_cache(SimpleNamespace(
+        cpu_kvcache_space_gib=budget / memory.GiB, kvcache_block_size=16, num_kvcache_blocks=-1, max_num_seqs=64,
+        max_model_len=16), block, slot)  # fmt: skip
+    gpu = memory.plan_kv_cache(total_bytes=budget, utilization=1.0, weights_bytes=0, activation_bytes=0, other_bytes=0,
+                               block_bytes=block, block_size=16, max_model_len=16, state_slot_bytes=slot,
+                               max_num_seqs=64)  # fmt: skip
+    for plan in (cpu, gpu):
+        assert (plan.num_state_slots, plan.num_blocks) == (16, 5)  # 5,000 // 300 slots, then 5,200 // 1,000 blocks
+        assert plan.max_concurrency() == 5  # a 16-token sequence takes one block
+    assert memory.plan_state_slots(budget, slot, max_num_seqs=4, block_bytes=block) == 4
+    assert memory.plan_state_slots(budget, slot, max_num_seqs=64, block_bytes=block, num_kvcache_blocks=9) == 3
+    assert memory.plan_state_slots(budget, 0, max_num_seqs=64, block_bytes=block) == 0
+    with pytest.raises(OutOfMemoryError, match="No room for one sequence's linear-attention state"):
+        memory.plan_state_slots(budget, slot, max_num_seqs=64, block_bytes=block, num_kvcache_blocks=10)

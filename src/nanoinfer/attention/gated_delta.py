@@ -31,9 +31,14 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def sequence_spans(metadata) -> list[tuple[int, int, bool]]:
-    """(first row, rows, has context) of each sequence in a step, from the host copies of its lengths."""
+    """(first row, rows, has context) of each sequence in a step, from the host copies of its lengths (read back
+    from the device where a CUDA graph's metadata has none)."""
+    query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+    if query_lens is None or seq_lens is None:
+        query_lens = metadata.query_start_loc.diff().tolist()
+        seq_lens = metadata.seq_lens.tolist()
     spans, start = [], 0
-    for query_len, seq_len in zip(metadata.query_lens_cpu, metadata.seq_lens_cpu):
+    for query_len, seq_len in zip(query_lens, seq_lens):
         spans.append((start, query_len, seq_len > query_len))
         start += query_len
     return spans

@@ -91,7 +91,7 @@ class ModelRunner:
             lambda input_ids, positions, metadata: self.model(input_ids, positions, self.kv_caches, metadata),
             batch_sizes=graph_batch_sizes(max_num_sampled_rows(self.config)), max_model_len=self.config.max_model_len,
             block_size=self.block_size, hidden_size=self.config.hf_config.hidden_size, dtype=self.dtype,
-            device=self.device, capturer=capturer,
+            device=self.device, capturer=capturer, uses_state_slots=self.state_cache is not None,
         )  # fmt: skip
         self.graph_runner.capture()
 

@@ -7,6 +7,7 @@ are copied into static buffers the graph was captured on, and a batch of n seque
 the smallest bucket >= n with the extra rows padded:
 - padded rows write nothing: slot_mapping = -1 (store_kvcache skips it), whatever ran there before;
 - padded rows attend over one cache slot of block 0 (seq_len 1) and their outputs are dropped;
+- a hybrid model's padded rows have state slot -1: its linear-attention kernels read and write nothing for them;
 - the attention kernels' launch grids depend only on the row count and max_seq_len, which is fixed at
   max_model_len when capturing (kernels.paged_attention's decode kernel is written for this).
 All buckets share one memory pool (captured largest first), so graphs cost about one decode step's
@@ -51,8 +52,9 @@ class CUDAGraphRunner:
 
     def __init__(self, forward: Callable, *, batch_sizes: list[int], max_model_len: int, block_size: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 capturer: CUDAGraphCapturer | None = None):  # fmt: skip
-        """forward(input_ids, positions, metadata) -> hidden states [num_tokens, hidden_size]."""
+                 capturer: CUDAGraphCapturer | None = None, uses_state_slots: bool = False):  # fmt: skip
+        """forward(input_ids, positions, metadata) -> hidden states [num_tokens, hidden_size]. uses_state_slots: the
+        model has linear-attention layers (metadata.state_slots)."""
         self.forward = forward
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch_size = self.batch_sizes[-1]
@@ -66,6 +68,7 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, **zeros)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, **zeros)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **zeros)  # one query token per row
+        self.state_slots = torch.full((n,), -1, dtype=torch.int32, **zeros) if uses_state_slots else None
         self.outputs = torch.zeros(n, hidden_size, dtype=dtype, **zeros)
         self.graphs: dict[int, Callable[[], None]] = {}
 
@@ -74,6 +77,7 @@ class CUDAGraphRunner:
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
             max_query_len=1, max_seq_len=self.max_model_len,
+            state_slots=None if self.state_slots is None else self.state_slots[:bs],
         )  # fmt: skip
 
     def _step_fn(self, bs: int) -> Callable[[], None]:
@@ -111,5 +115,8 @@ class CUDAGraphRunner:
         width = metadata.block_tables.shape[1]
         self.block_tables[:bs] = 0
         self.block_tables[:n, :width] = metadata.block_tables
+        if self.state_slots is not None:
+            self.state_slots[:n] = metadata.state_slots
+            self.state_slots[n:bs] = -1  # padded rows must not touch a running sequence's state
         self.graphs[bs]()
         return self.outputs[:n]
