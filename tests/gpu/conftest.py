@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "gpt_oss")  # the last two: the fused-MoE kernel, attention sinks
+# qwen3_moe, gpt_oss: the fused-MoE kernel, attention sinks; qwen3_next, qwen3_5: the linear-attention kernels
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5")
 # head_dim 64 (the smallest the issue asks the kernels for) and GQA 2:1; still a few hundred KiB of weights.
 TINY_SHAPE = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=256)
 
@@ -47,7 +48,7 @@ def cuda_llm():
 
 @pytest.fixture(scope="session")
 def cuda_model_dirs(tmp_path_factory) -> dict:
-    """Tiny random Qwen3, Llama, Qwen3-MoE and gpt-oss folders, saved in float32 (each test casts to its dtype)."""
+    """Tiny random folders of FAMILIES, saved in float32 (each test casts to its dtype)."""
     from nanoinfer.testing.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("cuda-tiny-models")

@@ -110,11 +110,12 @@ def test_float32_greedy_matches_transformers_token_for_token(
         )
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5"])
 def test_moe_float32_greedy_matches_transformers_through_cuda_graphs(cuda_model_dirs, cuda_llm, hf_reference, no_tf32,
                                                                     family):  # fmt: skip
-    """The Triton fused-MoE path (and gpt-oss's attention sinks in the Triton kernels), decode captured in CUDA
-    graphs: token for token with transformers in float32."""
+    """The Triton fused-MoE path (and gpt-oss's attention sinks in the Triton kernels, Qwen3-Next's and Qwen3.5's
+    linear-attention kernels with their state slots), decode captured in CUDA graphs: token for token with
+    transformers in float32."""
     skip_unless_runnable("triton", "float32")
     model_dir = cuda_model_dirs[family]
     prompts = make_prompts(vocab_size(model_dir))

@@ -65,7 +65,7 @@ def signature_of(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
 def record_launches() -> list[tuple[str, object, tuple, dict]]:
     """Run every launcher on small CPU inputs in each dtype combination the engine uses; (case, kernel, args,
     kwargs) for each launch."""
-    from nanoinfer.platforms.cuda.kernels import fused_moe, fused_ops, paged_attention
+    from nanoinfer.platforms.cuda.kernels import fused_moe, fused_ops, gated_delta, paged_attention
 
     store_module = sys.modules["nanoinfer.platforms.cuda.kernels.store_kvcache"]  # the package re-exports the function
     modules = {
@@ -73,6 +73,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         store_module: ("_store_kvcache_kernel",),
         fused_ops: ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"),
         fused_moe: ("_moe_align_kernel", "_moe_gemm_kernel", "_moe_sum_kernel"),
+        gated_delta: ("_causal_conv1d_kernel", "_fused_recurrent_gated_delta_rule_kernel"),
     }
     launches: list = []
     originals = {}
@@ -158,6 +159,40 @@ def _cases() -> dict[str, Callable[[], None]]:
 
         return run
 
+    # --- gated delta (linear attention) ---------------------------------------------------------------------
+    def linear_attention(dtype, max_query_len):
+        # Qwen3-Next's shape: H_k 16, H_v 32, D_k = D_v = 128, conv over q, k and v (8192 channels), K 4; q, k and
+        # v are views of the conv's output, as the model passes them
+        def run():
+            from types import SimpleNamespace
+
+            from nanoinfer.platforms.cuda.kernels.gated_delta import causal_conv1d, fused_recurrent_gated_delta_rule
+
+            num_seqs, channels = 3, 2 * 16 * 128 + 32 * 128
+            metadata = SimpleNamespace(
+                query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32) * max_query_len,
+                seq_lens=torch.full((num_seqs,), 9, dtype=torch.int32),
+                state_slots=torch.tensor([0, -1, 2], dtype=torch.int32), max_query_len=max_query_len)
+            tokens = num_seqs * max_query_len
+            x = causal_conv1d(torch.zeros(tokens, channels, dtype=dtype), torch.zeros(channels, 4, dtype=dtype),
+                              torch.zeros(4, channels, 3, dtype=dtype), metadata)  # fmt: skip
+            q, k, v = x.split([16 * 128, 16 * 128, 32 * 128], dim=-1)
+            q, k, v = q.view(tokens, 16, 128), k.view(tokens, 16, 128), v.view(tokens, 32, 128)
+            g, beta = torch.zeros(tokens, 32), torch.zeros(tokens, 32, dtype=dtype)
+            fused_recurrent_gated_delta_rule(q, k, v, g, beta, torch.zeros(4, 32, 128, 128), metadata,
+                                             torch.empty(v.shape, dtype=dtype))  # fmt: skip
+
+        return run
+
+    gated_delta_cases = {
+        "linear attention bf16, decode": linear_attention(torch.bfloat16, 1),
+        "linear attention bf16, prefill": linear_attention(torch.bfloat16, 100),
+        "linear attention fp16, decode": linear_attention(torch.float16, 1),
+        "linear attention fp32, decode": linear_attention(torch.float32, 1),
+        "linear attention fp32, prefill": linear_attention(torch.float32, 100),
+    }
+    # --- end gated delta -------------------------------------------------------------------------------------
+
     from nanoinfer.platforms.cuda.kernels.fused_moe import DECODE_CONFIG, PREFILL_CONFIG
 
     return {
@@ -188,6 +223,7 @@ def _cases() -> dict[str, Callable[[], None]]:
         "experts fp16, decode tiles": experts(torch.float16, DECODE_CONFIG),
         "experts fp16, prefill tiles": experts(torch.float16, PREFILL_CONFIG),
         "experts fp32, decode tiles": experts(torch.float32, DECODE_CONFIG, activations=("silu",)),
+        **gated_delta_cases,
     }
 
 

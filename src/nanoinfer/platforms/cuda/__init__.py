@@ -30,6 +30,10 @@ class CudaPlatform(Platform):
         # which a CUDA graph cannot capture.
         self.triton_moe = importlib.util.find_spec("triton") is not None
         self.eager_experts = False  # set by prepare_model: experts on the reference path cannot be graph-captured
+        # Linear attention's conv and delta rule through Triton (kernels/gated_delta.py): the reference reads the
+        # host lists, which a CUDA graph's decode metadata does not carry.
+        self.triton_gated_delta = importlib.util.find_spec("triton") is not None
+        self.eager_linear_attention = False  # set by prepare_model, as eager_experts
 
     def prepare_model(self, model) -> int:
         """Compile and run each small-op kernel, and the fused-MoE kernel on a mixture of experts, once on a tiny
@@ -50,6 +54,14 @@ class CudaPlatform(Platform):
                 logger.warning("Triton fused-MoE kernel unavailable (%s); the experts run on torch's ops and "
                                "decode without CUDA graphs.", problem)  # fmt: skip
         self.eager_experts = experts is not None and not self.triton_moe
+        linear = [m for m in model.modules() if getattr(m, "is_linear_attention", False)]
+        if linear and self.triton_gated_delta:
+            problem = check_gated_delta(linear[0])
+            if problem is not None:
+                self.triton_gated_delta = False
+                logger.warning("Triton linear-attention kernels unavailable (%s); the linear-attention layers run on "
+                               "torch's ops and decode without CUDA graphs.", problem)  # fmt: skip
+        self.eager_linear_attention = bool(linear) and not self.triton_gated_delta
         return 0
 
     def _fused_ops(self, x: torch.Tensor):
@@ -87,6 +99,22 @@ class CudaPlatform(Platform):
             return fused_moe_layer(layer, x, topk_weights, topk_ids)
         return super().fused_moe(layer, x, topk_weights, topk_ids)
 
+    def causal_conv1d(self, x, weight, conv_state, metadata):
+        if self.triton_gated_delta and x.device.type == "cuda":
+            from nanoinfer.platforms.cuda.kernels import gated_delta
+
+            return gated_delta.causal_conv1d(x, weight, conv_state, metadata)
+        return super().causal_conv1d(x, weight, conv_state, metadata)
+
+    def gated_delta_rule(self, q, k, v, g, beta, ssm_state, metadata):
+        """Single-token sequences (all of a decode step) through the recurrent kernel, graph-capturable; longer
+        ones through flash-linear-attention when installed, else the reference's chunked form."""
+        if self.triton_gated_delta and v.device.type == "cuda":
+            from nanoinfer.platforms.cuda.kernels import gated_delta
+
+            return gated_delta.gated_delta_rule(q, k, v, g, beta, ssm_state, metadata)
+        return super().gated_delta_rule(q, k, v, g, beta, ssm_state, metadata)
+
     def attention_backend(self, name: str):
         if name == "flash-attn":
             from nanoinfer.platforms.cuda.flash_attn_backend import FlashAttnBackend
@@ -101,7 +129,7 @@ class CudaPlatform(Platform):
     def uses_cuda_graphs(self, config, backend_name: str) -> bool:
         """Decode through CUDA graphs unless enforce_eager, with one rank and a backend whose kernels capture."""
         return (not config.enforce_eager and config.tensor_parallel_size == 1 and not self.eager_experts
-                and backend_name in ("triton", "flash-attn"))  # fmt: skip
+                and not self.eager_linear_attention and backend_name in ("triton", "flash-attn"))  # fmt: skip
 
     def build_runner(self, config, block_bytes: int, make_runner, state_slot_bytes: int = 0):
         from nanoinfer.platforms.cuda.memory_planning import build_cuda_runner
@@ -123,6 +151,37 @@ def check_fused_moe(layer) -> str | None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # any failure means: do not use it; the message says why
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def check_gated_delta(layer) -> str | None:
+    """Run the linear-attention kernels once, on a decode step of two sequences through `layer`'s own shapes (one
+    with context, one without) and scratch state: None when they ran, else the error, in one line."""
+    try:
+        from nanoinfer.attention.metadata import AttentionMetadata
+        from nanoinfer.platforms.cuda.kernels import gated_delta
+
+        device, dtype = layer.conv1d_weight.device, layer.conv1d_weight.dtype
+        conv_shape, ssm_shape = layer.state_shapes(2)
+        conv_state = torch.zeros(conv_shape, device=device, dtype=dtype)
+        ssm_state = torch.zeros(ssm_shape, device=device)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.zeros(2, dtype=torch.int64, device=device),
+            query_start_loc=torch.arange(3, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([5, 1], dtype=torch.int32, device=device),
+            block_tables=torch.zeros(2, 1, dtype=torch.int32, device=device), max_query_len=1, max_seq_len=5,
+            state_slots=torch.arange(2, dtype=torch.int32, device=device),
+        )  # fmt: skip
+        mixed = gated_delta.causal_conv1d(torch.randn(2, layer.conv_dim, device=device).to(dtype), layer.conv1d_weight,
+                                          conv_state, metadata)  # fmt: skip
+        q, k, v = mixed.split([layer.key_size, layer.key_size, layer.value_size], dim=-1)
+        heads = torch.rand(2, layer.num_v_heads, device=device)
+        gated_delta.gated_delta_rule(q.reshape(2, layer.num_k_heads, -1), k.reshape(2, layer.num_k_heads, -1),
+                                     v.reshape(2, layer.num_v_heads, -1), -heads, heads, ssm_state, metadata)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # any failure means: do not use them; the message says why
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
 
