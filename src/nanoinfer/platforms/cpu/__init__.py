@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoinfer.platforms.cpu import gated_delta as cpu_gated_delta
 from nanoinfer.platforms.cpu import linear as cpu_linear
 from nanoinfer.platforms.cpu import moe as cpu_moe
 from nanoinfer.platforms.cpu.kv_cache import LazyKVCache
@@ -107,6 +108,15 @@ class CpuKernelPlatform(CpuPlatform):
     def fused_moe(self, layer, x, topk_weights, topk_ids):
         out = cpu_moe.fused_moe(layer, x, topk_weights, topk_ids)
         return out if out is not None else super().fused_moe(layer, x, topk_weights, topk_ids)
+
+    # Linear attention: one-token rows through csrc/gated_delta.cpp, prompt chunks through the reference
+    def causal_conv1d(self, x, weight, conv_state, metadata):
+        out = cpu_gated_delta.causal_conv1d(x, weight, conv_state, metadata)
+        return out if out is not None else super().causal_conv1d(x, weight, conv_state, metadata)
+
+    def gated_delta_rule(self, q, k, v, g, beta, ssm_state, metadata):
+        out = cpu_gated_delta.gated_delta_rule(q, k, v, g, beta, ssm_state, metadata)
+        return out if out is not None else super().gated_delta_rule(q, k, v, g, beta, ssm_state, metadata)
 
     def has_greedy_lm_head(self, lm_head) -> bool:
         return cpu_linear.has_greedy_kernel(lm_head)

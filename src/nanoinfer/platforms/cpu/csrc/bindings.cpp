@@ -36,6 +36,12 @@ torch::Tensor fused_moe(const torch::Tensor& x, const torch::Tensor& topk_ids, c
                         const torch::Tensor& w13, const torch::Tensor& w2, const c10::optional<torch::Tensor>& b13,
                         const c10::optional<torch::Tensor>& b2, int64_t intermediate_size, int64_t activation,
                         double alpha, double limit);
+// linear attention (gated_delta.cpp)
+void gated_delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                        torch::Tensor ssm_state, torch::Tensor state_slots, torch::Tensor out,
+                        const c10::optional<torch::Tensor>& has_context);
+void causal_conv1d_update(torch::Tensor x, torch::Tensor weight, torch::Tensor conv_state, torch::Tensor state_slots,
+                          torch::Tensor out, const c10::optional<torch::Tensor>& has_context);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
@@ -122,4 +128,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"), pybind11::arg("w13"),
         pybind11::arg("w2"), pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("intermediate_size"),
         pybind11::arg("activation"), pybind11::arg("alpha"), pybind11::arg("limit"));
+  // linear attention (gated_delta.cpp)
+  m.def("gated_delta_decode", &gated_delta_decode,
+        "one decode step of the gated delta rule into out [B, H_v, D_v]: q, k [B, H_k, D_k] (normalised inside), "
+        "v [B, H_v, D_v] (float32 / bfloat16, the last dim contiguous), g and beta float32 [B, H_v]; row b reads and "
+        "writes ssm_state (float32 [S, H_v, D_k, D_v]) at slot state_slots[b] (negative: output zeros, no slot), "
+        "from zeros where has_context (bool [B], None: all) is false",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"), pybind11::arg("beta"),
+        pybind11::arg("ssm_state"), pybind11::arg("state_slots"), pybind11::arg("out"),
+        pybind11::arg("has_context") = pybind11::none());
+  m.def("causal_conv1d_update", &causal_conv1d_update,
+        "one decode step of the depthwise causal conv + SiLU into out [B, C]: x [B, C], weight [C, K], conv_state "
+        "[S, C, K - 1] (one dtype, float32 / bfloat16) read and shifted at slot state_slots[b] (negative: output "
+        "zeros, no slot), from zeros where has_context (bool [B], None: all) is false",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("conv_state"), pybind11::arg("state_slots"),
+        pybind11::arg("out"), pybind11::arg("has_context") = pybind11::none());
 }
