@@ -212,7 +212,7 @@ def fake_fla_chunk_gated_delta_rule(calls: list):
             rows = slice(start, end)
             prepared = reference._prepare(q[0, rows], k[0, rows], v[0, rows], g[0, rows], beta[0, rows])
             o, final[i] = reference.chunked_gated_delta_rule(*prepared, initial_state[i].clone())
-            out[rows] = o.to(v.dtype)
+            out[rows] = o.transpose(0, 1).to(v.dtype)
         return out[None], final
 
     return lambda: chunk

@@ -78,8 +78,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             continue
         rows_of = slice(start, start + rows)
         state = ssm_state[slot].clone() if has_context else ssm_state.new_zeros(ssm_state.shape[1:])
-        step = recurrent_gated_delta_rule if rows == 1 and has_context else chunked_gated_delta_rule
-        o, state = step(*_prepare(q[rows_of], k[rows_of], v[rows_of], g[rows_of], beta[rows_of]), state)
+        inputs = _prepare(q[rows_of], k[rows_of], v[rows_of], g[rows_of], beta[rows_of])
+        if rows == 1 and has_context:
+            o, state = recurrent_gated_delta_rule(*inputs, state)
+        else:
+            o, state = chunked_gated_delta_rule(*inputs, state)
+            o = o.transpose(0, 1)
         out[rows_of] = o.to(v.dtype)
         ssm_state[slot] = state
     return out
@@ -108,20 +112,23 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
 
 def chunked_gated_delta_rule(q, k, v, g, beta, state):
-    """The same rule CHUNK_SIZE tokens at a time (arguments and result as recurrent_gated_delta_rule's).
+    """The same rule CHUNK_SIZE tokens at a time: q, k [..., H, n, D_k], v [..., H, n, D_v], g, beta [..., H, n],
+    state [..., H, D_k, D_v] (float32; any leading batch dims, e.g. sequences padded to one length, whose padding
+    must have zero k, v and beta and zero g: it then leaves the state as it is). Returns (o [..., H, n, D_v], the
+    final state).
 
     Within a chunk, with decays relative to its start (G_i = g_1 + ... + g_i), the updates' corrections u solve
     a unit lower-triangular system (I + A) u = beta (v - exp(G) S^T k) where A_ij = beta_i k_i.k_j exp(G_i - G_j)
     for j < i; the chunk's outputs read the state entering it plus the chunk's own corrections, and the state
     leaving it is that state decayed over the whole chunk plus the corrections' writes."""
-    heads, n, _ = q.shape
+    n = q.shape[-2]
     c = CHUNK_SIZE
     pad = (c - n % c) % c
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     num_chunks = (n + pad) // c
-    q, k, v = (x.reshape(heads, num_chunks, c, -1) for x in (q, k, v))
-    g, beta = g.reshape(heads, num_chunks, c), beta.reshape(heads, num_chunks, c)
+    q, k, v = (x.reshape(*x.shape[:-2], num_chunks, c, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(*g.shape[:-1], num_chunks, c), beta.reshape(*beta.shape[:-1], num_chunks, c)
     decay = g.cumsum(dim=-1)  # G within each chunk
     strictly_upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
     pair_decay = (decay[..., :, None] - decay[..., None, :]).masked_fill(strictly_upper, float("-inf")).exp()
@@ -136,8 +143,8 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state):
     chunk_decay = decay[..., -1].exp()
     out = torch.empty_like(v)
     for i in range(num_chunks):
-        corrections = values[:, i] - k_decayed[:, i] @ state
-        out[:, i] = q_in[:, i] @ state + scores[:, i] @ corrections
-        state = state * chunk_decay[:, i, None, None] + k_out[:, i].transpose(-1, -2) @ corrections
-    out = out.reshape(heads, num_chunks * c, -1)[:, :n]
-    return out.transpose(0, 1), state
+        corrections = values[..., i, :, :] - k_decayed[..., i, :, :] @ state
+        out[..., i, :, :] = q_in[..., i, :, :] @ state + scores[..., i, :, :] @ corrections
+        state = state * chunk_decay[..., i, None, None] + k_out[..., i, :, :].transpose(-1, -2) @ corrections
+    out = out.reshape(*out.shape[:-3], num_chunks * c, out.shape[-1])[..., :n, :]
+    return out, state
