@@ -15,7 +15,7 @@ from nanoinfer.attention import gated_delta
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.config import Config
 from nanoinfer.errors import ConfigError, OutOfMemoryError
-from nanoinfer.testing.hf_reference import hf_greedy_logprobs
+from nanoinfer.testing.hf_reference import check_logprobs_close, hf_greedy, hf_greedy_logprobs
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 NUM_TOKENS = 16
@@ -57,6 +57,21 @@ def test_sequences_wait_for_a_state_slot_and_all_finish_equal_to_transformers(qw
     assert [o.token_ids for o in outputs] == expected
     assert max(running) == 2
     assert len(llm.engine.block_manager.free_state_slots) == 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(tmp_path, family):
+    """bfloat16 (the state stays float32 in both; the projections, the convolution and the norms round), by vLLM's
+    check_logprobs_close rule: where the two first differ, each token is in the other's top 5."""
+    path = build_tiny_model(family, tmp_path / family)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 30, 75, 140, 200, 9, 60, 110)]
+    expected, _, expected_top = hf_greedy(path, prompts, NUM_TOKENS, dtype=torch.bfloat16, top_k=5)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=512, cpu_kvcache_space_gib=0.25)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5))
+    ours = [(o.token_ids, [{t for t, _ in lp.top} for lp in o.outputs[0].logprobs]) for o in outputs]
+    diverged = check_logprobs_close(ours, list(zip(expected, expected_top)), ("nanoinfer", "transformers"))
+    assert diverged <= len(prompts) // 2, f"{diverged}/{len(prompts)} sequences diverged"
 
 
 def test_prefix_caching_is_switched_off_with_a_notice(qwen3_5):
