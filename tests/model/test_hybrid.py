@@ -74,8 +74,13 @@ def test_bfloat16_greedy_is_close_to_transformers_by_logprobs(tmp_path, family):
     assert diverged <= len(prompts) // 2, f"{diverged}/{len(prompts)} sequences diverged"
 
 
-def test_prefix_caching_is_switched_off_with_a_notice(qwen3_5):
-    llm = LLM(str(qwen3_5), dtype="float32", max_model_len=256, cpu_kvcache_space_gib=0.05)
+def test_prefix_caching_is_switched_off_with_a_notice(qwen3_5, caplog):
+    with caplog.at_level("WARNING", logger="nanoinfer"):
+        llm = LLM(str(qwen3_5), dtype="float32", max_model_len=256, cpu_kvcache_space_gib=0.05)
+    assert [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()] == [
+        "prefix caching is off for a model with linear-attention layers (its prefixes would also need the layers' "
+        "state, which is not cached)"
+    ]
     assert not llm.config.enable_prefix_caching
     assert any(field == "enable_prefix_caching" and "linear-attention" in why for field, _, why in llm.config.notes)
 

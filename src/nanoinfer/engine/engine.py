@@ -48,6 +48,9 @@ class LLMEngine:
         slot_bytes = memory.state_slot_bytes(config.model_spec, config.tensor_parallel_size, config.dtype)
         self.model_runner, self.plan = self.platform.build_runner(config, block_bytes, make_executor, slot_bytes)
         logger.info(self.plan.summary_line())
+        for field, value, why in config.notes:
+            if field == "enable_prefix_caching" and value is False:  # Config switched it off: say so, once a job
+                logger.warning("prefix caching is %s", why)
         self.block_manager = BlockManager(self.plan.num_blocks, config.kvcache_block_size, config.enable_prefix_caching,
                                           num_state_slots=self.plan.num_state_slots)  # fmt: skip
         self.scheduler = Scheduler(
