@@ -12,7 +12,7 @@ import torch
 from nanoinfer.platforms.cpu import gated_delta as cpu_gated_delta
 from nanoinfer.platforms.cpu import linear as cpu_linear
 from nanoinfer.platforms.cpu import moe as cpu_moe
-from nanoinfer.platforms.cpu.kv_cache import LazyKVCache
+from nanoinfer.platforms.cpu.kv_cache import LazyKVCache, on_ordinary_pages
 from nanoinfer.platforms.cpu.ops import cpu_ops_for
 from nanoinfer.platforms.cpu.process import setup_process
 from nanoinfer.platforms.interface import Platform
@@ -55,6 +55,11 @@ class CpuPlatform(Platform):
 
     def allocate_kv_cache(self, shapes, dtype: torch.dtype, device: torch.device) -> LazyKVCache:
         return LazyKVCache(shapes, dtype)
+
+    def allocate_state_cache(self, shapes, conv_dtype: torch.dtype, device: torch.device):
+        """Uncommitted, like the KV cache: a slot's memory is committed when its first sequence writes it whole,
+        so resident memory grows with the slots in use, not with the budget."""
+        return [(on_ordinary_pages(conv, conv_dtype), on_ordinary_pages(ssm, torch.float32)) for conv, ssm in shapes]
 
 
 class CpuKernelPlatform(CpuPlatform):
