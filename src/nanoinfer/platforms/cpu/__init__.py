@@ -114,7 +114,7 @@ class CpuKernelPlatform(CpuPlatform):
         out = cpu_moe.fused_moe(layer, x, topk_weights, topk_ids)
         return out if out is not None else super().fused_moe(layer, x, topk_weights, topk_ids)
 
-    # Linear attention: one-token rows through csrc/gated_delta.cpp, prompt chunks through the reference
+    # Linear attention through csrc/gated_delta.cpp (decode and prefill kernels), the reference where they do not apply
     def causal_conv1d(self, x, weight, conv_state, metadata):
         out = cpu_gated_delta.causal_conv1d(x, weight, conv_state, metadata)
         return out if out is not None else super().causal_conv1d(x, weight, conv_state, metadata)

@@ -42,6 +42,12 @@ void gated_delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
                         const c10::optional<torch::Tensor>& has_context);
 void causal_conv1d_update(torch::Tensor x, torch::Tensor weight, torch::Tensor conv_state, torch::Tensor state_slots,
                           torch::Tensor out, const c10::optional<torch::Tensor>& has_context);
+void gated_delta_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                         torch::Tensor ssm_state, torch::Tensor state_slots, torch::Tensor query_start_loc,
+                         torch::Tensor out, const c10::optional<torch::Tensor>& has_context);
+void causal_conv1d_prefill(torch::Tensor x, torch::Tensor weight, torch::Tensor conv_state, torch::Tensor state_slots,
+                           torch::Tensor query_start_loc, torch::Tensor out,
+                           const c10::optional<torch::Tensor>& has_context);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
@@ -143,4 +149,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "zeros, no slot), from zeros where has_context (bool [B], None: all) is false",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("conv_state"), pybind11::arg("state_slots"),
         pybind11::arg("out"), pybind11::arg("has_context") = pybind11::none());
+  m.def("gated_delta_prefill", &gated_delta_prefill,
+        "the gated delta rule, token by token (the recurrent form), over each sequence's rows into out [T, H_v, D_v]: "
+        "sequence b has rows query_start_loc[b] .. query_start_loc[b + 1] (int [B + 1]) of q, k [T, H_k, D_k] "
+        "(normalised inside), v [T, H_v, D_v] (float32 / bfloat16, the last dim contiguous), g and beta float32 "
+        "[T, H_v]; it reads and writes ssm_state (float32 [S, H_v, D_k, D_v]) at slot state_slots[b] (negative: "
+        "output zeros, no slot), from zeros where has_context (bool [B], None: all) is false",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"), pybind11::arg("beta"),
+        pybind11::arg("ssm_state"), pybind11::arg("state_slots"), pybind11::arg("query_start_loc"),
+        pybind11::arg("out"), pybind11::arg("has_context") = pybind11::none());
+  m.def("causal_conv1d_prefill", &causal_conv1d_prefill,
+        "the depthwise causal conv + SiLU over each sequence's rows into out [T, C]: sequence b has rows "
+        "query_start_loc[b] .. query_start_loc[b + 1] (int [B + 1]) of x [T, C], weight [C, K], conv_state "
+        "[S, C, K - 1] (one dtype, float32 / bfloat16), continuing from slot state_slots[b] (negative: output zeros, "
+        "no slot; from zeros where has_context, bool [B] or None: all, is false), which keeps its last K - 1 inputs",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("conv_state"), pybind11::arg("state_slots"),
+        pybind11::arg("query_start_loc"), pybind11::arg("out"), pybind11::arg("has_context") = pybind11::none());
 }
