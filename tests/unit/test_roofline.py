@@ -37,7 +37,8 @@ def test_a_step_costs_what_the_hand_calculation_says():
       B  a 10-token prompt with 3 tokens computed, a chunk of 4 (positions 3..6), not sampled
       C  a decode token at position 9 (6 prompt + 4 output tokens), sampled
     Tokens 5 + 4 + 1 = 10 (prefill 9, decode 1). Context read: 5 + 7 + 10 = 22 tokens. Causal (query, key)
-    pairs, position + 1 summed over each new token: A 1+2+3+4+5 = 15, B 4+5+6+7 = 22, C 10: 47. Rows: 2."""
+    pairs, position + 1 summed over each new token: A 1+2+3+4+5 = 15, B 4+5+6+7 = 22, C 10: 47. Rows: 2.
+    Sequences continuing from tokens computed before (a hybrid model reads their state): B and C, 2."""
     a = make_request(num_prompt_tokens=5).sequences[0]
     b = make_request(num_prompt_tokens=10).sequences[0]
     b.num_computed_tokens = 3
@@ -45,7 +46,7 @@ def test_a_step_costs_what_the_hand_calculation_says():
     c.token_ids += [7, 8, 9, 10]
     c.num_computed_tokens = 9
     num_prefill, counts = _count_step([(a, 5), (b, 4), (c, 1)])
-    assert (num_prefill, counts) == (9, (3, 22, 47, 2))
+    assert (num_prefill, counts) == (9, (3, 22, 47, 2, 2))
     stats = StepStats(num_prefill, 1, 0, 0.002, 0, 0, *counts)
 
     shape = roofline.ModelShape.from_spec(spec_of(TINY), "bfloat16", "bfloat16")
@@ -76,7 +77,7 @@ def test_a_speculated_sequence_samples_every_row_it_verifies():
     seq = make_request(num_prompt_tokens=21).sequences[0]
     seq.num_computed_tokens = 20
     seq.spec_token_ids = [5, 6, 7]
-    assert _count_step([(seq, 4)]) == (0, (1, 24, 21 + 22 + 23 + 24, 4))
+    assert _count_step([(seq, 4)]) == (0, (1, 24, 21 + 22 + 23 + 24, 4, 1))
 
 
 def test_qwen3_06b_matches_the_issue_estimate():
@@ -225,3 +226,21 @@ def test_the_workload_floor_tool_steps_the_real_scheduler_without_a_gpu():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "H200: 4,800 GB/s, 989 TFLOP/s" in result.stdout and "0 preemptions" in result.stdout
     assert result.stdout.splitlines()[2].startswith("prefill") and "floor of the run:" in result.stdout
+
+
+def test_a_hybrid_step_reads_the_state_of_continuing_sequences_and_writes_every_one():
+    """Qwen3.5-0.8B's shape: a step of 3 sequences, 2 continuing: the state (18 layers x (16 x 128 x 128 float32 +
+    6,144 conv channels x 3 bfloat16 inputs) = 19,537,920 bytes a sequence) read twice and written three times;
+    the delta rule's 6 x 16 x 128 x 128 FLOPs a token a layer."""
+    from nanoinfer.models.config import load_hf_config
+    from nanoinfer.models.registry import model_spec
+
+    spec = model_spec(load_hf_config(Path(__file__).resolve().parents[2] / "configs/models/qwen3.5-0.8b"))
+    shape = roofline.ModelShape.from_spec(spec, "bfloat16", "bfloat16")
+    per_sequence = 18 * (16 * 128 * 128 * 4 + 6_144 * 3 * 2)
+    assert shape.state_bytes_per_sequence == per_sequence == 19_537_920
+    plain = roofline.step_cost(shape, 10, 22, 47, 2)
+    hybrid = roofline.step_cost(shape, 10, 22, 47, 2, num_seqs=3, num_seqs_with_context=2)
+    assert (hybrid.state_read_bytes, hybrid.state_write_bytes) == (2 * per_sequence, 3 * per_sequence)
+    assert hybrid.total_bytes == plain.total_bytes + 5 * per_sequence
+    assert shape.delta_rule_flops_per_token == 18 * 6 * 16 * 128 * 128
