@@ -29,6 +29,33 @@ def device() -> str:
     return "cuda"
 
 
+class NoLaunch:
+    """A kernel stand-in that launches nothing: kernel[grid](...) only counts."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+
+        return launch
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """replace(module, names) puts a NoLaunch in place of each named kernel of module and returns them by name: a
+    launcher run on the meta device then shows it reads no value back to the host (a CUDA graph can capture it)."""
+
+    def replace(module, names) -> dict[str, NoLaunch]:
+        stand_ins = {name: NoLaunch() for name in names}
+        for name, stand_in in stand_ins.items():
+            monkeypatch.setattr(module, name, stand_in)
+        return stand_ins
+
+    return replace
+
+
 @dataclass
 class PagedBatch:
     """One step's inputs: new tokens' query/key/value, a randomly filled paged cache, and the metadata."""

@@ -259,25 +259,10 @@ def test_a_step_of_prompts_only_passes_every_row_to_the_prefill_path(device, mon
 # --- graph safety, dispatch, the optional package ---------------------------------------------------------
 
 
-class _NoLaunch:
-    """A kernel stand-in that launches nothing: kernel[grid](...) only counts."""
-
-    def __init__(self):
-        self.launches = 0
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches += 1
-
-        return launch
-
-
-def test_a_decode_step_reads_nothing_back_so_a_cuda_graph_can_capture_it(monkeypatch):
+def test_a_decode_step_reads_nothing_back_so_a_cuda_graph_can_capture_it(no_launch):
     """On the meta device a tensor has a shape and no values, so any read back to the host (.item(), .tolist())
     raises; the metadata carries no host lists, as a CUDA graph's does not."""
-    stand_ins = {name: _NoLaunch() for name in ("_causal_conv1d_kernel", "_fused_recurrent_gated_delta_rule_kernel")}
-    for name, stand_in in stand_ins.items():
-        monkeypatch.setattr(kernels, name, stand_in)
+    stand_ins = no_launch(kernels, ("_causal_conv1d_kernel", "_fused_recurrent_gated_delta_rule_kernel"))
     metadata = make_metadata([(3, 1)] * 4, [0, 1, 2, -1], "meta", host_lists=False)
     meta = dict(device="meta", dtype=torch.bfloat16)
     x = kernels.causal_conv1d(torch.empty(4, 2 * K_HEADS * K_DIM + V_HEADS * V_DIM, **meta),

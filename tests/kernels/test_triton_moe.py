@@ -136,25 +136,10 @@ def test_either_tile_config_gives_the_reference(device, config):
 # --- graph safety and wiring ----------------------------------------------------------------------
 
 
-class _NoLaunch:
-    """A kernel stand-in that launches nothing: kernel[grid](...) only counts."""
-
-    def __init__(self):
-        self.launches = 0
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches += 1
-
-        return launch
-
-
-def test_the_launcher_reads_no_values_so_a_cuda_graph_can_capture_it(monkeypatch):
+def test_the_launcher_reads_no_values_so_a_cuda_graph_can_capture_it(no_launch):
     """On the meta device a tensor has a shape and no values, so any read back to the host (.item(), .tolist(),
     bincount or nonzero sizing their results from the data) raises: the path sizes everything from T, k and E."""
-    stand_ins = {name: _NoLaunch() for name in ("_moe_align_kernel", "_moe_gemm_kernel", "_moe_sum_kernel")}
-    for name, stand_in in stand_ins.items():
-        monkeypatch.setattr(moe_kernels, name, stand_in)
+    stand_ins = no_launch(moe_kernels, ("_moe_align_kernel", "_moe_gemm_kernel", "_moe_sum_kernel"))
     meta = dict(device="meta", dtype=torch.bfloat16)
     out = fused_moe(torch.empty(7, HIDDEN, **meta), torch.empty(16, 2 * INTERMEDIATE, HIDDEN, **meta),
                     torch.empty(16, HIDDEN, INTERMEDIATE, **meta), torch.empty(7, 4, device="meta"),

@@ -49,17 +49,22 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
         return [(name.replace(".in_proj_qkv.", f".in_proj_{p}."), part(p)) for p in "qkv"]
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The language model of a Qwen3.5 vision-language checkpoint (the form Qwen publishes); the vision tower is
-    skipped. Built from the top-level config or its text part."""
+class TextPartOfVisionLanguage:
+    """Mixed in before a family class: the language model of a Qwen3.5 vision-language checkpoint (the form Qwen
+    publishes), built from the top-level config or its text part; the vision tower is skipped."""
+
+    architecture: str  # the checkpoint's, kept on its text config so the registry picks this class again
 
     def __init__(self, hf_config, backend, max_position: int):
-        super().__init__(language_config(hf_config, "Qwen3_5ForConditionalGeneration"), backend, max_position)
+        super().__init__(language_config(hf_config, self.architecture), backend, max_position)
 
     @classmethod
     def text_config(cls, hf_config) -> tuple[object, str | None]:
-        return language_config(hf_config, "Qwen3_5ForConditionalGeneration"), ("vision tower skipped: nanoinfer runs "
-                                                                                "the text part")  # fmt: skip
+        return language_config(hf_config, cls.architecture), "vision tower skipped: nanoinfer runs the text part"
+
+
+class Qwen3_5ForConditionalGeneration(TextPartOfVisionLanguage, Qwen3_5ForCausalLM):
+    architecture = "Qwen3_5ForConditionalGeneration"
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
@@ -67,13 +72,5 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         return self.build_moe(hf_config, renormalize=True)  # transformers' Qwen3_5MoeTopKRouter always renormalizes
 
 
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    """The language model of a Qwen3.5 MoE vision-language checkpoint; the vision tower is skipped."""
-
-    def __init__(self, hf_config, backend, max_position: int):
-        super().__init__(language_config(hf_config, "Qwen3_5MoeForConditionalGeneration"), backend, max_position)
-
-    @classmethod
-    def text_config(cls, hf_config) -> tuple[object, str | None]:
-        return language_config(hf_config, "Qwen3_5MoeForConditionalGeneration"), ("vision tower skipped: nanoinfer "
-                                                                                   "runs the text part")  # fmt: skip
+class Qwen3_5MoeForConditionalGeneration(TextPartOfVisionLanguage, Qwen3_5MoeForCausalLM):
+    architecture = "Qwen3_5MoeForConditionalGeneration"
