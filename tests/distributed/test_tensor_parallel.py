@@ -130,6 +130,18 @@ def test_structured_output_under_tp2_is_valid_and_equals_tp1(model_dirs, sharded
     assert num_stopped >= 3
 
 
+def test_warm_up_and_reallocation_of_a_hybrid_model_reach_every_rank(sharded_llms):
+    """What CUDA memory planning does, on a hybrid model's TP=2 executor: a warm-up pass (one state slot a
+    warm-up sequence), then a cache of other sizes, state slots included, on every rank."""
+    sharded = sharded_llms("qwen3_5")
+    before = sharded.generate("The capital of France is", GREEDY)[0].token_ids
+    executor = sharded.engine.model_runner
+    executor.warmup()
+    executor.allocate_kv_cache(40, 3)
+    assert (executor.num_blocks, executor.num_state_slots) == (40, 3)
+    assert sharded.generate("The capital of France is", GREEDY)[0].token_ids == before
+
+
 def test_kv_cache_reallocation_reaches_every_rank(sharded_llms):
     sharded = sharded_llms("llama")
     before = sharded.generate("The capital of France is", GREEDY)[0].token_ids

@@ -127,6 +127,14 @@ class TensorParallelExecutor:
         return self.runner.block_size
 
     @property
+    def state_cache(self):
+        return self.runner.state_cache  # rank 0's (a hybrid model's), None for others
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.runner.num_state_slots
+
+    @property
     def worker_pids(self) -> list[int]:
         return [w.process.pid for w in self._state.workers]
 
