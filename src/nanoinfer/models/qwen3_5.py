@@ -16,9 +16,10 @@ from nanoinfer.models.gemma3 import language_config
 from nanoinfer.models.layers.mlp import GatedMLP
 from nanoinfer.models.qwen3_next import Qwen3NextForCausalLM
 
-# Checkpoint prefixes of a vision-language checkpoint's language model -> ours, and the parts nanoinfer skips
+# Checkpoint prefixes of a vision-language checkpoint's language model -> ours, and its vision tower, which nanoinfer
+# skips (the multi-token-prediction head, mtp.*, as Qwen3-Next's)
 _LANGUAGE_PREFIXES = (("model.language_model.", "model."),)
-_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.")
+_SKIPPED_PREFIXES = ("model.visual.", "visual.")
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
@@ -31,22 +32,7 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
                 name = ours + name[len(prefix) :]
         if name.startswith(_SKIPPED_PREFIXES):
             return []
-        if name.endswith(".linear_attn.in_proj_qkv.weight"):
-            return self._split_qkv(name, tensor_fn)
         return super().sanitize(name, tensor_fn)
-
-    def _split_qkv(self, name: str, tensor_fn):
-        """in_proj_qkv's [q | k | v] rows as the fused projection's q, k and v shards."""
-        layer = self.linear_attention_layers()[0]
-        key_dim = layer.key_size * layer.tp_size
-        bounds = {"q": (0, key_dim), "k": (key_dim, 2 * key_dim), "v": (2 * key_dim, None)}
-
-        def part(which: str):
-            start, end = bounds[which]
-            return lambda: tensor_fn()[start:end]
-
-        name = name.replace(".linear_attn.", ".self_attn.")
-        return [(name.replace(".in_proj_qkv.", f".in_proj_{p}."), part(p)) for p in "qkv"]
 
 
 class TextPartOfVisionLanguage:

@@ -7,7 +7,8 @@ head, rotary turns the first partial_rotary_factor of each head. Every RMSNorm s
 linear layers' output norm is a gated one over each value head. transformers' modeling_qwen3_next.py is the spec.
 
 A checkpoint's in_proj_qkvz and in_proj_ba group each key head's rows with those of the value heads it serves; they
-are regrouped at load into the flat [q | k | v | z | b | a] projection Qwen3.5 publishes and the layer runs.
+are regrouped at load into the layer's flat [q | k | v | z | b | a] projection, as Qwen3.5's flat in_proj_qkv (and
+its in_proj_z, in_proj_b, in_proj_a) are split into it.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from nanoinfer.models.layers.gated_delta_net import GatedDeltaNet
 from nanoinfer.models.layers.mlp import GatedMLP
 from nanoinfer.models.layers.moe import FusedMoE, SharedExpertMoeBlock, TopKRouter
 from nanoinfer.models.layers.norm import GemmaRMSNorm
-from nanoinfer.models.layers.rotary import RotaryEmbedding
 from nanoinfer.models.llama import LlamaForCausalLM, head_dim_of
 from nanoinfer.models.qwen3_moe import is_sparse_layer
 
 # The fused input projection's shards (GatedDeltaNet.in_proj), by the checkpoint names they load from
 _IN_PROJ = {f"in_proj_{part}": ("in_proj", i) for i, part in enumerate("qkvzba")}
+# Checkpoint tensors holding several of those shards -> (the shards, whether grouped by key head (Qwen3-Next) or
+# one after the other (Qwen3.5))
+_FUSED_IN_PROJ = {"in_proj_qkvz": ("qkvz", True), "in_proj_ba": ("ba", True), "in_proj_qkv": ("qkv", False)}
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
@@ -35,9 +38,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     def build_model(self, hf_config, backend, max_position: int) -> DecoderModel:
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf_config.hidden_act!r}: the linear-attention convolution runs silu only")
-        rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
-        layers = [self.build_layer(hf_config, i, backend, rotary) for i in range(hf_config.num_hidden_layers)]
-        return DecoderModel(hf_config.vocab_size, hf_config.hidden_size, layers, self.norm(hf_config))
+        return super().build_model(hf_config, backend, max_position)
 
     def build_layer(self, hf_config, layer_idx: int, backend, rotary) -> nn.Module:
         # Both kinds of layer sit where the decoder layer keeps its attention (self_attn): the checkpoint's
@@ -77,26 +78,27 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         if name.startswith("mtp."):
             return []  # the multi-token-prediction head (speculative decoding in vLLM), which transformers skips too
         name = name.replace(".linear_attn.", ".self_attn.").replace(".conv1d.weight", ".conv1d_weight")
-        if name.endswith(".in_proj_qkvz.weight"):
-            return self._regroup(name, "in_proj_qkvz", tensor_fn, ("q", "k", "v", "z"))
-        if name.endswith(".in_proj_ba.weight"):
-            return self._regroup(name, "in_proj_ba", tensor_fn, ("b", "a"))
+        for fused, (parts, grouped) in _FUSED_IN_PROJ.items():
+            if name.endswith(f".self_attn.{fused}.weight"):
+                return self._split_in_proj(name, fused, tensor_fn, parts, grouped)
         return [(name, tensor_fn)]
 
-    def _regroup(self, name: str, fused: str, tensor_fn, parts: tuple[str, ...]):
-        """The flat q, k, v, z (or b, a) projections in a checkpoint tensor that groups them by key head."""
+    def _split_in_proj(self, name: str, fused: str, tensor_fn, parts: str, grouped: bool):
+        """The shards `parts` (of q, k, v, z, b, a) in one checkpoint tensor: one after the other, or grouped by key
+        head (each key head's rows of each shard, then the next head's)."""
         layer = self.linear_attention_layers()[0]
-        key_heads = layer.num_k_heads * layer.tp_size
-        ratio = layer.num_v_heads // layer.num_k_heads  # value heads a key head serves
-        widths = {"q": layer.k_head_dim, "k": layer.k_head_dim, "v": ratio * layer.v_head_dim,
-                  "z": ratio * layer.v_head_dim, "b": ratio, "a": ratio}  # rows a key head's group holds of each
+        tp = layer.tp_size
+        groups = layer.num_k_heads * tp if grouped else 1
+        rows = {"q": layer.key_size * tp, "k": layer.key_size * tp, "v": layer.value_size * tp,
+                "z": layer.value_size * tp, "b": layer.num_v_heads * tp, "a": layer.num_v_heads * tp}  # fmt: skip
+        widths = {p: rows[p] // groups for p in parts}  # rows a group holds of each
 
         def part(which: str):
             def read():
-                grouped = tensor_fn()
-                grouped = grouped.reshape(key_heads, -1, grouped.shape[-1])
+                tensor = tensor_fn()
+                tensor = tensor.reshape(groups, -1, tensor.shape[-1])
                 start = sum(widths[p] for p in parts[: parts.index(which)])
-                return grouped[:, start : start + widths[which]].reshape(-1, grouped.shape[-1])
+                return tensor[:, start : start + widths[which]].reshape(-1, tensor.shape[-1])
 
             return read
 

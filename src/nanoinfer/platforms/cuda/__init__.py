@@ -137,6 +137,11 @@ class CudaPlatform(Platform):
         return build_cuda_runner(config, block_bytes, make_runner, state_slot_bytes)
 
 
+def one_line(error: Exception) -> str:
+    """An exception as "Type: its first line", for a start-up check's one warning."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 def check_fused_moe(layer) -> str | None:
     """Run the fused-MoE kernel once on two tokens through `layer`'s own experts: None when it ran, else the
     error, in one line."""
@@ -151,7 +156,7 @@ def check_fused_moe(layer) -> str | None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # any failure means: do not use it; the message says why
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return one_line(e)
     return None
 
 
@@ -182,7 +187,7 @@ def check_gated_delta(layer) -> str | None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # any failure means: do not use them; the message says why
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return one_line(e)
     return None
 
 
@@ -201,5 +206,5 @@ def check_small_ops(device: torch.device | str, dtype: torch.dtype) -> str | Non
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # any failure means: do not use them; the message says why
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return one_line(e)
     return None
