@@ -20,6 +20,7 @@ from typing import Any
 from nanoinfer.errors import ConfigError, ConfigProblem
 from nanoinfer.models import registry
 from nanoinfer.models.config import load_hf_config
+from nanoinfer.pooling import POOLING_TYPES, read_sentence_transformers_pooling
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "cuda")
@@ -27,6 +28,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 CPU_KERNELS = ("auto", "wait", "off")
+RUNNERS = ("generate", "pooling")
 # Fields that are not user settings: filled in by __post_init__ (or, for eos, by the engine).
 NOT_SETTABLE = {
     "hf_config": "it is loaded from the model folder's config.json; point `model` at the folder instead",
@@ -90,6 +92,12 @@ class Config:
             default) turns it off. Greedy output is unchanged; sampled requests (and those asking for
             logprobs or penalties) are never speculated. 0..16.
         prompt_lookup_min, prompt_lookup_max: the n-gram lengths matched, longest first (1 <= min <= max <= 8).
+        runner: generate | pooling (vLLM's): pooling makes embeddings (LLM.embed, `nanoinfer embed`) instead of text.
+        pooling_type: last | mean | cls: how the pooling runner turns a prompt's final hidden states into one
+            vector. None: the model folder's sentence-transformers config (modules.json, 1_Pooling/config.json),
+            else last (the token that has seen the whole prompt, as decoder embedding models pool).
+        normalize: L2-normalize embeddings. None: whether the sentence-transformers folder has a Normalize module,
+            else True.
 
     Raises:
         ConfigError: listing every invalid field at once (field, value, rule and fix).
@@ -121,6 +129,9 @@ class Config:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    runner: str = "generate"
+    pooling_type: str | None = None
+    normalize: bool | None = None
     # What __post_init__ filled in or clamped: (field, value, reason). Not a user setting; init=False so
     # dataclasses.replace() starts a fresh list instead of copying the old notes.
     notes: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -170,7 +181,8 @@ class Config:
             reason = f"clamped from {self.max_model_len} to the model's max_position_embeddings"
             self.notes.append(("max_model_len", max_pos, reason))
             self.max_model_len = max_pos
-        return _model_problems(self, bad) + _kvcache_capacity_problem(self, bad) + _hybrid_model_problems(self, bad)
+        return (_model_problems(self, bad) + _kvcache_capacity_problem(self, bad) + _hybrid_model_problems(self, bad)
+                + _pooling_problems(self, bad))
 
     def _resolve_device(self, bad: set[str]) -> list[ConfigProblem]:
         """Fill in device/dtype/attention_backend 'auto' and check they work together on this machine."""
@@ -451,6 +463,16 @@ def _range_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
     if "cpu_kernels" not in bad and c.cpu_kernels not in CPU_KERNELS:
         problems.append(_choice_problem("cpu_kernels", c.cpu_kernels, CPU_KERNELS))
     check("eos", lambda v: v >= -1, "is filled in from the tokenizer; leave it at -1.")
+    if c.runner not in RUNNERS:
+        problems.append(_choice_problem("runner", c.runner, RUNNERS))
+        bad.add("runner")
+    if c.pooling_type is not None and c.pooling_type not in POOLING_TYPES:
+        problems.append(_choice_problem("pooling_type", c.pooling_type, POOLING_TYPES))
+        bad.add("pooling_type")
+    if c.normalize is not None and not isinstance(c.normalize, bool):
+        problems.append(ConfigProblem("normalize", c.normalize, "must be true or false (or left out: the model's "
+                                      "sentence-transformers config, else true)."))
+        bad.add("normalize")
     check(
         "num_speculative_tokens",
         lambda v: 0 <= v <= 16,
@@ -542,6 +564,30 @@ def _hybrid_model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
             f"must be 0 for {c.model_spec.architecture}: its linear-attention layers keep a state per sequence that "
             "rejected speculated tokens cannot be taken back out of. Set num_speculative_tokens: 0.",
         )]  # fmt: skip
+    return []
+
+
+def _pooling_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
+    """The pooling runner's pooling_type and normalize, filled in from the model's sentence-transformers folder (or
+    last + normalize) where not set; set for the generate runner, they are a mistake worth saying."""
+    if bad & {"runner", "pooling_type", "normalize"}:
+        return []
+    if c.runner != "pooling":
+        given = [name for name in ("pooling_type", "normalize") if getattr(c, name) is not None]
+        return [ConfigProblem(name, getattr(c, name), "applies only to embeddings (runner: pooling). Remove it, or "
+                              "set runner: pooling (`nanoinfer embed` does).") for name in given]  # fmt: skip
+    if c.pooling_type is not None and c.normalize is not None:
+        return []
+    try:
+        from_folder = read_sentence_transformers_pooling(c.model)
+    except ConfigError as e:
+        return e.problems
+    pooling_type, normalize = from_folder or ("last", True)
+    source = "the model's sentence-transformers config" if from_folder else "the default"
+    for name, value in (("pooling_type", pooling_type), ("normalize", normalize)):
+        if getattr(c, name) is None:
+            setattr(c, name, value)
+            c.notes.append((name, value, f"from {source}"))
     return []
 
 

@@ -18,14 +18,15 @@ from nanoinfer.config_file import make_config
 from nanoinfer.engine.engine import LLMEngine, StepStats
 from nanoinfer.engine.sequence import Request, Sequence
 from nanoinfer.errors import ConfigError, ConfigProblem, NanoInferError, RequestError, UnservableRequestError
-from nanoinfer.outputs import CompletionOutput, RequestOutput
+from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from nanoinfer.pooling import Pooler, PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import StructuredOutputManager
 from nanoinfer.tokenizer import load_tokenizer
 
 
 class LLM:
-    """Offline generation over a batch of prompts.
+    """Offline generation (generate, chat) or embedding (embed, with runner="pooling") over a batch of prompts.
 
     Args:
         model: a local Hugging Face folder, a .gguf file, the built-in default `smollm2-135m-instruct` (when
@@ -33,7 +34,8 @@ class LLM:
         config: a ready Config (then keyword settings are not allowed); its model is a local folder.
         **settings: Config fields (max_model_len=..., max_num_seqs=..., dtype=..., ...). vLLM's
             `speculative_config={"method": "ngram", "num_speculative_tokens": 3, ...}` is taken too, as the
-            fields num_speculative_tokens / prompt_lookup_min / prompt_lookup_max.
+            fields num_speculative_tokens / prompt_lookup_min / prompt_lookup_max. runner="pooling" (with
+            pooling_type=..., normalize=...) makes an embedding model.
     """
 
     def __init__(self, model: str | None = None, *, config: Config | None = None, **settings):
@@ -60,6 +62,7 @@ class LLM:
         self.engine = LLMEngine(config, stop_string_checker=self._check_stop_strings, eos_token_ids=eos_ids)
         self._request_counter = itertools.count()
         self._structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
+        self.pooler = Pooler(config.pooling_type, config.normalize) if config.runner == "pooling" else None
 
     # ---- the batch API --------------------------------------------------------------------------------
     def generate(
@@ -80,23 +83,44 @@ class LLM:
         Raises:
             RequestError: a malformed prompt (token ids outside the vocabulary) or SamplingParams list.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = _broadcast_params(sampling_params, len(prompts))
+        self._check_runner("generate")
+        prompts = _as_prompt_list(prompts)
+        return self._run_all(prompts, _broadcast_params(sampling_params, len(prompts), SamplingParams))
+
+    def embed(
+        self,
+        prompts: str | list[int] | Seq[str] | Seq[list[int]],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (text or token ids) with an LLM made with runner="pooling"; outputs come back in the
+        prompts' order, each with `.outputs.embedding` (a list of floats).
+
+        A prompt that cannot be served (empty, max_model_len tokens or longer) gets an output with `error` set and
+        an empty embedding; the others run."""
+        self._check_runner("pooling")
+        prompts = _as_prompt_list(prompts)
+        return self._run_all(prompts, _broadcast_params(pooling_params, len(prompts), PoolingParams))
+
+    def _run_all(self, prompts: list, params: list) -> list:
         ids = []
-        results: dict[str, RequestOutput] = {}
-        for prompt, sp in zip(prompts, params):
+        results: dict = {}
+        for prompt, p in zip(prompts, params):
             try:
-                ids.append(self.add_request(prompt, sp))
+                ids.append(self.add_request(prompt, p))
             except UnservableRequestError as e:
-                refused = _refused_output(str(next(self._request_counter)), prompt, sp, e)
+                refused = _refused_output(str(next(self._request_counter)), prompt, p, e)
                 ids.append(refused.request_id)
                 results[refused.request_id] = refused
         while self.has_unfinished_requests():
             for out in self.step()[0]:
                 results[out.request_id] = out
         return [results[i] for i in ids]
+
+    def _check_runner(self, runner: str) -> None:
+        if self.config.runner != runner:
+            what = {"generate": "generate text", "pooling": "make embeddings"}[runner]
+            raise NanoInferError(f"this LLM was made with runner={self.config.runner!r}, which cannot {what}. Make "
+                                 f"it with LLM(model, runner={runner!r}).")
 
     def chat(
         self,
@@ -110,24 +134,30 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     # ---- the streaming API (used by `nanoinfer generate`) ----------------------------------------------
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
+                    request_id: str | None = None, *, prompt_logprobs_start: int = 1) -> str:
         """Admit one prompt: tokenize it, check that it can be served, and queue it in the engine.
 
         Args:
             prompt: text (tokenized here) or token ids.
-            sampling_params: default SamplingParams().
+            params: SamplingParams to generate (default SamplingParams()), PoolingParams to embed (an LLM with
+                runner="pooling"; default PoolingParams()).
             request_id: default the next number of this LLM's counter.
+            prompt_logprobs_start: with params.prompt_logprobs, the first prompt position whose logprob is wanted:
+                earlier entries are None and the prefix cache may serve those tokens (scoring a continuation
+                after a context other requests share computes the context once).
 
         Returns:
             The request id.
 
         Raises:
-            RequestError: token ids outside the vocabulary (code out_of_vocabulary).
+            RequestError: token ids outside the vocabulary (code out_of_vocabulary), params of the other runner
+                (code wrong_runner), PoolingParams asking for more dimensions than the model has.
             UnservableRequestError: an empty prompt (code empty_prompt), or one of max_model_len tokens or more
                 (code prompt_too_long; text too long to fit is refused before tokenizing).
         """
-        params = sampling_params or SamplingParams()
+        pooling = self._pooling_params(params)
+        params = SamplingParams(max_tokens=0) if pooling is not None else params or SamplingParams()
         if isinstance(prompt, str):
             if len(prompt) > self.max_prompt_chars:
                 raise UnservableRequestError(
@@ -141,11 +171,31 @@ class LLM:
             text, token_ids = None, self.check_token_ids(prompt)
         self._check_length(len(token_ids))
         request_id = request_id if request_id is not None else str(next(self._request_counter))
-        request = Request(request_id, token_ids, params, prompt=text)
+        request = Request(request_id, token_ids, params, prompt=text, prompt_logprobs_start=prompt_logprobs_start,
+                          pooling=pooling)
+        if pooling is not None:
+            request.first_pooled_position = self.pooler.first_needed_position(len(token_ids))
         if params.structured_outputs is not None:
             request.structured_output = self.structured_outputs.request_for(params.structured_outputs)
         self.engine.add_request(request)
         return request_id
+
+    def _pooling_params(self, params) -> PoolingParams | None:
+        """The request's PoolingParams on a pooling LLM (None on a generating one), checked against the runner."""
+        pooling_runner = self.config.runner == "pooling"
+        if params is not None and isinstance(params, PoolingParams) != pooling_runner:
+            given = type(params).__name__
+            raise RequestError(f"got {given}, but this LLM's runner is {self.config.runner!r}: give "
+                               f"{'PoolingParams' if pooling_runner else 'SamplingParams'}, or make the LLM with "
+                               f"runner={'generate' if pooling_runner else 'pooling'!r}.", code="wrong_runner")
+        if not pooling_runner:
+            return None
+        params = params or PoolingParams()
+        hidden_size = self.config.hf_config.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden_size:
+            raise RequestError(f"dimensions is {params.dimensions}, but this model's embeddings have {hidden_size}. "
+                               f"Ask for at most {hidden_size}, or leave it out.", code="invalid_pooling_params")
+        return params
 
     def _check_length(self, num_prompt_tokens: int) -> None:
         # The KV cache needs no check of its own: the engine starts only if it holds one max_model_len sequence
@@ -229,7 +279,15 @@ class LLM:
         seq.output_text = text[: best[0]]
         return best[1]
 
-    def _to_output(self, request: Request) -> RequestOutput:
+    def _to_output(self, request: Request) -> RequestOutput | EmbeddingRequestOutput:
+        if request.pooling is not None:
+            seq = request.sequences[0]
+            return EmbeddingRequestOutput(
+                request.request_id, request.prompt, list(request.prompt_token_ids),
+                EmbeddingOutput(seq.embedding if seq.finish_reason != "error" else []),
+                num_cached_tokens=seq.num_cached_tokens, error=seq.error, error_code=seq.error_code,
+                metrics={"num_preemptions": seq.num_preemptions},
+            )  # fmt: skip
         outputs = []
         for seq in request.sequences:
             if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
@@ -244,7 +302,8 @@ class LLM:
         first = request.sequences[0]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs,
                              num_cached_tokens=first.num_cached_tokens,
-                             metrics={"num_preemptions": sum(s.num_preemptions for s in request.sequences)})
+                             metrics={"num_preemptions": sum(s.num_preemptions for s in request.sequences)},
+                             prompt_logprobs=request.prompt_logprobs)
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -265,22 +324,32 @@ def _has_bos_in_text(tokenizer, text: str) -> bool:
     return bool(bos) and text.startswith(bos)
 
 
-def _refused_output(request_id: str, prompt, params: SamplingParams, error: RequestError) -> RequestOutput:
-    """What generate() returns for a prompt add_request refused: each of its n sequences finished with the error."""
+def _refused_output(request_id: str, prompt, params, error: RequestError):
+    """What generate() (embed()) returns for a prompt add_request refused: each of its n sequences finished with the
+    error (an empty embedding with the error)."""
     text, token_ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
+    if isinstance(params, PoolingParams):
+        return EmbeddingRequestOutput(request_id, text, token_ids, EmbeddingOutput([]), error=str(error),
+                                      error_code=error.code)
     outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error", error=str(error),
                                 error_code=error.code) for i in range(params.n)]
     return RequestOutput(request_id, text, token_ids, outputs)
 
 
-def _broadcast_params(params, n: int) -> list[SamplingParams]:
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _broadcast_params(params, n: int, kind: type) -> list:
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [kind()] * n
+    if isinstance(params, kind):
         return [params] * n
     params = list(params)
-    if len(params) != n:
-        raise RequestError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt.")
+    if len(params) != n or not all(isinstance(p, kind) for p in params):
+        raise RequestError(f"got {len(params)} params for {n} prompts; give one {kind.__name__}, or one per prompt.")
     return params
 
 

@@ -1,4 +1,5 @@
-"""What generate() returns: one RequestOutput per request, one CompletionOutput per sequence (n of them)."""
+"""What generate() returns: one RequestOutput per request, one CompletionOutput per sequence (n of them);
+what embed() returns: one EmbeddingRequestOutput per request."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: one entry a prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -65,3 +68,37 @@ class RequestOutput:
             "total_tokens": prompt + completion,
             "cached_prompt_tokens": self.num_cached_tokens,
         }
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One embedded prompt (vLLM's names): `outputs.embedding` is the vector; on an error it is empty and
+    `error` / `error_code` say why."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    num_cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+    @property
+    def finish_reason(self) -> str:
+        return "error" if self.error is not None else "stop"
+
+    @property
+    def usage(self) -> dict:
+        prompt = len(self.prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt,
+                "cached_prompt_tokens": self.num_cached_tokens}

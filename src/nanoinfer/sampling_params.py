@@ -114,12 +114,15 @@ class SamplingParams:
         repetition_penalty: HF-style (>1 discourages tokens already in prompt or output).
         presence_penalty, frequency_penalty: OpenAI-style, over generated tokens.
         seed: per-request int64 seed; the same seed and prompt give the same output whatever else is batched.
-        max_tokens: most tokens to generate (None: up to max_model_len).
+        max_tokens: most tokens to generate (None: up to max_model_len). 0 generates nothing: with
+            prompt_logprobs, the request only scores its prompt (finish_reason "length").
         min_tokens: stop conditions are ignored until this many tokens exist.
         stop: up to MAX_STOP_STRINGS strings that end generation (not included in the text).
         stop_token_ids: up to MAX_STOP_TOKEN_IDS token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS.
         logprobs: None, or how many top alternatives (0 to MAX_LOGPROBS) to return with each token's logprob.
+        prompt_logprobs: None, or how many top alternatives (0 to MAX_LOGPROBS) to return with each prompt
+            token's logprob (vLLM's): RequestOutput.prompt_logprobs has one entry a prompt token, None for the first.
         skip_special_tokens: drop special tokens from the returned text.
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (or None); a
             dict is read as StructuredOutputsParams' fields.
@@ -140,6 +143,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -181,8 +185,8 @@ class SamplingParams:
                 p.append(f"{name} must be in [-2, 2], got {_show(v)}")
         if self.seed is not None and (not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             p.append(f"seed must be a 64-bit signed integer, got {_show(self.seed)}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            p.append(f"max_tokens must be an integer >= 1, got {_show(self.max_tokens)}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            p.append(f"max_tokens must be an integer >= 0 (0: score the prompt only), got {_show(self.max_tokens)}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             p.append(f"min_tokens must be an integer >= 0, got {_show(self.min_tokens)}")
         elif self.max_tokens is not None and is_int(self.max_tokens) and self.min_tokens > self.max_tokens:
@@ -200,6 +204,9 @@ class SamplingParams:
             p.append(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             p.append(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            p.append(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.prompt_logprobs)}")
         if not isinstance(self.skip_special_tokens, bool):
             p.append(f"skip_special_tokens must be true or false, got {_show(self.skip_special_tokens)}")
         return p

@@ -279,7 +279,7 @@ def test_last_layer_runs_only_the_rows_a_step_samples_with_the_same_bits(tiny_mo
     runner = llm.engine.model_runner
     for i, prompt in enumerate(prompts):
         llm.engine.scheduler.add_request(Request(f"r{i}", prompt, GREEDY))
-    input_ids, positions, metadata, sample_indices, _ = runner.prepare_inputs(llm.engine.scheduler.schedule())
+    input_ids, positions, metadata, sample_indices, *_ = runner.prepare_inputs(llm.engine.scheduler.schedule())
     assert len(sample_indices) == len(prompts) < input_ids.numel()
     last_mlp = runner.model.model.layers[-1].mlp
     rows_seen = []

@@ -119,7 +119,7 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
 
 @pytest.mark.parametrize("bad", [
     dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2), dict(n=0),
-    dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(stop=[""]),
+    dict(max_tokens=-1), dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(stop=[""]), dict(prompt_logprobs=21),
     dict(max_tokens=True), dict(seed="x"), dict(presence_penalty=3),
 ])
 def test_bad_sampling_values_are_request_errors(bad):

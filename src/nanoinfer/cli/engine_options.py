@@ -69,7 +69,17 @@ FLAGS = {
     "trust_remote_code": _flag(
         bool, "--trust-remote-code/--no-trust-remote-code", help="Let transformers run the model's own code."
     ),
+    "runner": _flag(str, "--runner", help="generate | pooling (embeddings)."),
+    "pooling_type": _flag(
+        str, "--pooling", help="last | mean | cls (default: the model's sentence-transformers config, else last)."
+    ),
+    "normalize": _flag(
+        bool, "--normalize/--no-normalize",
+        help="L2-normalize embeddings (default: the model's sentence-transformers config, else normalize).",
+    ),
 }
+# The pooling runner's fields: only commands that make embeddings take them.
+POOLING_FIELDS = ("runner", "pooling_type", "normalize")
 ConfigFileOption = Annotated[Path | None, typer.Option("--config", help="Engine YAML; flags override its values.")]
 
 

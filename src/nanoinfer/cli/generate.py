@@ -22,7 +22,7 @@ from rich.markup import escape
 
 from nanoinfer import batch
 from nanoinfer.cli import app, err_console, user_errors
-from nanoinfer.cli.engine_options import EngineOptions, engine_options
+from nanoinfer.cli.engine_options import POOLING_FIELDS, EngineOptions, engine_options
 from nanoinfer.errors import BatchFileError, NanoInferError, OutputWriteError, ReplicaError, RequestError
 from nanoinfer.jobs.line_runner import FinishedLine, LineRunner
 from nanoinfer.progress import JobProgress
@@ -96,7 +96,7 @@ class Stopper:
 
 
 @app.command("generate")
-@engine_options()
+@engine_options(exclude=POOLING_FIELDS)
 def generate(
     input: Annotated[
         str,

@@ -10,16 +10,19 @@ contributes KV to the cache and nothing else.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from nanoinfer import memory
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.engine.sampler import Sampler
+from nanoinfer.engine.sampler import Sampler, prompt_logprobs
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.models import registry
 from nanoinfer.models.weights.loader import load_weights
 from nanoinfer.platforms import current_platform
+from nanoinfer.pooling import Pooler
 
 # Config's dtype and kv_cache_dtype names (config.DTYPES, config.KV_CACHE_DTYPES, resolved) -> torch dtypes.
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,6 +44,28 @@ def group_by_sequence(sample_seqs: list[Sequence], token_ids: list[int]) -> dict
         else:
             tokens.append(token_id)
     return sampled
+
+
+class HiddenRows(NamedTuple):
+    """A run of one sequence's prompt rows whose final hidden states the step keeps besides the sampled ones: for its
+    prompt logprobs, or for its embedding. `offset` indexes ModelInputs.hidden_indices; `position` is the first
+    row's."""
+
+    seq: Sequence
+    offset: int
+    count: int
+    position: int
+
+
+class ModelInputs(NamedTuple):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    hidden_indices: torch.Tensor  # the rows whose final hidden states the step reads, ascending
+    sample_seqs: list[Sequence]  # one a sampled row
+    sample_rows: torch.Tensor | None  # where the sampled rows are in hidden_indices (None: all of them, in order)
+    prompt_rows: list[HiddenRows]  # rows whose logits give prompt logprobs
+    pooled_rows: list[HiddenRows]  # rows an embedding pools
 
 
 def kv_cache_dtype_of(config) -> torch.dtype:
@@ -67,6 +92,7 @@ class ModelRunner:
             rotary.to_device(self.device)
         self.num_packed_weights = self.platform.prepare_model(self.model)
         self.sampler = Sampler(config.seed)
+        self.pooler = Pooler(config.pooling_type, config.normalize) if config.runner == "pooling" else None
         # Each layer's cache shape (this rank's KV heads, its head size): layers may differ.
         self.kv_head_shapes = [(a.num_kv_heads, a.head_dim) for a in self.model.attention_layers()]
         # A layer that reads an earlier layer's keys and values (Gemma 4's KV sharing) owns no cache: it is handed
@@ -173,38 +199,62 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """Run one step; returns seq_id -> the token ids sampled for the sequences that reached their end
         (one each, or one per scheduled token of a speculated sequence)."""
-        input_ids, positions, metadata, sample_indices, sample_seqs = self.prepare_inputs(out)
+        inputs = self.prepare_inputs(out)
+        sample_seqs = inputs.sample_seqs
         self.sampler.prepare(sample_seqs, self.config.hf_config.vocab_size)  # grammar bitmasks, during forward
-        hidden_states = self._forward(input_ids, positions, metadata, sample_indices)
+        hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_indices)
+        self.read_prompt_rows(inputs, hidden_states, self.model.compute_logits)
         if not sample_seqs:
             return {}
+        if inputs.sample_rows is not None:
+            hidden_states = hidden_states[inputs.sample_rows]
         lm_head = self.model.lm_head
         if lm_head.has_greedy_kernel and all(s.params.is_plain_greedy for s in sample_seqs):
             return group_by_sequence(sample_seqs, lm_head.greedy_token_ids(hidden_states).tolist())
         logits = self.model.compute_logits(hidden_states)
         return group_by_sequence(sample_seqs, self.sampler(logits, sample_seqs))
 
+    def read_prompt_rows(self, inputs: ModelInputs, rows: torch.Tensor, to_logits) -> None:
+        """Give the step's prompt rows to their sequences: logprobs (`to_logits` turns rows into logits; rows may be
+        logits already) and embeddings (rows are then hidden states)."""
+        for run in inputs.prompt_rows:
+            seq = run.seq
+            targets = seq.token_ids[run.position + 1 : run.position + 1 + run.count]
+            seq.request.prompt_logprobs += prompt_logprobs(
+                rows[run.offset : run.offset + run.count], targets, seq.params.prompt_logprobs, to_logits
+            )
+        for run in inputs.pooled_rows:
+            seq = run.seq
+            self.pooler.add(seq, rows[run.offset : run.offset + run.count], run.position)
+            if run.position + run.count == seq.num_tokens:
+                seq.embedding = self.pooler.finish(seq, seq.request.pooling)
+
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits of the sequences that reach their end this step (for tests against transformers)."""
-        input_ids, positions, metadata, sample_indices, _ = self.prepare_inputs(out)
-        hidden_states = self._forward(input_ids, positions, metadata, sample_indices)
+        inputs = self.prepare_inputs(out)
+        hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_indices)
+        if inputs.sample_rows is not None:
+            hidden_states = hidden_states[inputs.sample_rows]
         return self.model.compute_logits(hidden_states).float()
 
-    def _forward(self, input_ids, positions, metadata: AttentionMetadata, sample_indices) -> torch.Tensor:
-        """The final hidden states of the rows in sample_indices, in that order."""
+    def _forward(self, input_ids, positions, metadata: AttentionMetadata, hidden_indices) -> torch.Tensor:
+        """The final hidden states of the rows in hidden_indices, in that order."""
         if self.graph_runner is not None and self.graph_runner.can_run(metadata):
-            return self.graph_runner.run(input_ids, positions, metadata)[sample_indices]
-        return self.run_model(input_ids, positions, metadata, sample_indices)
+            return self.graph_runner.run(input_ids, positions, metadata)[hidden_indices]
+        return self.run_model(input_ids, positions, metadata, hidden_indices)
 
-    def prepare_inputs(self, out: SchedulerOutput):
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        sample_indices: list[int] = []
+        hidden_indices: list[int] = []  # every row the step reads (the sampled ones and the prompt rows kept)
+        sample_rows: list[int] = []  # where the sampled rows are in hidden_indices
         sample_seqs: list[Sequence] = []
+        prompt_rows: list[HiddenRows] = []
+        pooled_rows: list[HiddenRows] = []
         tables: list[list[int]] = []
         state_slots: list[int] = []
         bs = self.block_size
@@ -229,7 +279,8 @@ class ModelRunner:
                     query_lens.append(1)
                     seq_lens.append(pos + 1)
                     tables.append(table)
-                    sample_indices.append(len(input_ids) - 1)
+                    sample_rows.append(len(hidden_indices))
+                    hidden_indices.append(len(input_ids) - 1)
                     sample_seqs.append(seq)
                 if len(table) > max_blocks:
                     max_blocks = len(table)
@@ -252,8 +303,22 @@ class ModelRunner:
             state_slots.append(seq.state_slot)
             if len(table) > max_blocks:
                 max_blocks = len(table)
-            if end == seq.num_tokens:
-                sample_indices.append(len(input_ids) - 1)
+            if seq.wants_prompt_logprobs or seq.request.pooling is not None:
+                # Rows kept for the prompt, in row order before the sampled one: the row of position p gives the
+                # logprob of token p + 1, up to the prompt's last token; a pooled prompt keeps what its vector needs.
+                row0 = len(input_ids) - num_new - start
+                if seq.request.pooling is None:
+                    first, stop = max(start, len(seq.request.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)
+                    runs = prompt_rows
+                else:
+                    first, stop = max(start, seq.request.first_pooled_position), end
+                    runs = pooled_rows
+                if first < stop:
+                    runs.append(HiddenRows(seq, len(hidden_indices), stop - first, first))
+                    hidden_indices += range(row0 + first, row0 + stop)
+            if end == seq.num_tokens and not seq.is_prefill_only:
+                sample_rows.append(len(hidden_indices))
+                hidden_indices.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
         padding = [0] * max_blocks
         block_tables = torch.tensor([t + padding[len(t) :] for t in tables], dtype=torch.int32)
@@ -273,10 +338,14 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             state_slots=torch.tensor(state_slots, dtype=torch.int32, device=dev) if self.state_cache else None,
         )
-        return (
+        extra_rows = len(sample_rows) < len(hidden_indices)
+        return ModelInputs(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             metadata,
-            torch.tensor(sample_indices, dtype=torch.long, device=dev),
+            torch.tensor(hidden_indices, dtype=torch.long, device=dev),
             sample_seqs,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev) if extra_rows else None,
+            prompt_rows,
+            pooled_rows,
         )

@@ -67,6 +67,11 @@ class Scheduler:
         """Queue a request LLM.add_request admitted."""
         # Admitted: not empty and shorter than max_model_len, which the whole KV cache holds (memory.check_fits).
         assert 0 < len(request.prompt_token_ids) < self.max_model_len, len(request.prompt_token_ids)
+        if request.sampling_params.max_tokens == 0 and request.prompt_logprobs is None and request.pooling is None:
+            for seq in request.sequences:  # nothing to generate, score or embed: done without a forward pass
+                self._finish(seq, "length")
+            self._finished_at_admission.append(request)
+            return
         self._num_unfinished_requests += 1
         self.waiting.extend(request.sequences)
 
@@ -108,7 +113,9 @@ class Scheduler:
             if seq.grammar is None and seq.request.structured_output is not None:
                 if not self._start_grammar(seq, compiling):
                     continue
-            computed = bm.get_computed_blocks(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            computed = []
+            if seq.num_computed_tokens == 0:  # not those whose hidden states this step must produce
+                computed = bm.get_computed_blocks(seq.token_ids)[: seq.max_cached_tokens // bm.block_size]
             num_cached = len(computed) * bm.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not bm.allocate_slots(seq, num_new, computed):
@@ -217,6 +224,9 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             if token_ids is None:
                 self.block_manager.cache_full_blocks(seq)
+                if seq.is_prefill_only and seq.num_computed_tokens == seq.num_tokens:  # scored or embedded
+                    self._finish(seq, "length")
+                    self._retire(seq, finished)
                 continue  # a prefill chunk that did not reach the end of the sequence
             reason = None
             num_appended = 0
@@ -233,12 +243,16 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
             if reason is not None:
                 self._finish(seq, *reason)
-                self.running.remove(seq)
-                self.block_manager.free(seq)
-                if seq.request.is_finished:
-                    self._num_unfinished_requests -= 1
-                    finished.append(seq.request)
+                self._retire(seq, finished)
         return finished
+
+    def _retire(self, seq: Sequence, finished: list[Request]) -> None:
+        """A finished running sequence gives its blocks back; its request is done when all its sequences are."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        if seq.request.is_finished:
+            self._num_unfinished_requests -= 1
+            finished.append(seq.request)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple | None:
         params = seq.params

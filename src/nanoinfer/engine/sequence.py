@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoinfer.outputs import Logprob
+from nanoinfer.pooling import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -57,6 +58,9 @@ class Sequence:
         # Structured output: this sequence's xgrammar matcher, made when the request's grammar has compiled.
         # It advances with every output token and survives preemption (the output tokens are kept).
         self.grammar = None
+        # Embeddings (a pooling request): what the pooler has gathered of the prompt's rows, then the vector.
+        self.pooled = None
+        self.embedding: list[float] | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -78,6 +82,28 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    @property
+    def is_prefill_only(self) -> bool:
+        """Scores or embeds its prompt and generates nothing (max_tokens 0): done once the prompt is computed."""
+        return self.params.max_tokens == 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """This sequence computes its request's prompt logprobs (the first of n does) and some are missing."""
+        logprobs = self.request.prompt_logprobs
+        return self.index == 0 and logprobs is not None and len(logprobs) < self.num_prompt_tokens
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most leading tokens the prefix cache may serve: those whose hidden states nothing still needs. The
+        last token is always computed (its logits are sampled)."""
+        limit = self.num_tokens - 1
+        if self.wants_prompt_logprobs:  # the logprob of token p is read from the row of token p - 1
+            limit = min(limit, len(self.request.prompt_logprobs) - 1)
+        if self.request.pooling is not None:
+            limit = min(limit, self.request.first_pooled_position)
+        return limit
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"blocks={self.block_table}, {self.status.value})")
@@ -91,10 +117,20 @@ class Request:
     prompt: str | None = None
     sequences: list[Sequence] = field(default_factory=list)
     structured_output: object | None = None  # a StructuredOutputRequest when sampling_params ask for a grammar
+    # With sampling_params.prompt_logprobs: the first prompt position whose logprob is wanted (earlier entries stay
+    # None, and the prefix cache may serve those tokens: a scored continuation after a shared context).
+    prompt_logprobs_start: int = 1
+    pooling: PoolingParams | None = None  # an embedding request (sampling_params then has max_tokens 0)
+    first_pooled_position: int = 0  # the first prompt position whose hidden state its vector needs
+    # One entry a prompt token, filled as the prompt is computed: None before prompt_logprobs_start, then Logprobs.
+    prompt_logprobs: list[Logprob | None] | None = field(default=None, init=False)
 
     def __post_init__(self):
         if not self.sequences:
             self.sequences = [Sequence(self, i) for i in range(self.sampling_params.n)]
+        if self.sampling_params.prompt_logprobs is not None:
+            start = min(max(self.prompt_logprobs_start, 1), len(self.prompt_token_ids))
+            self.prompt_logprobs = [None] * start
 
     @property
     def is_finished(self) -> bool:

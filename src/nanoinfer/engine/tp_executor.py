@@ -140,17 +140,24 @@ class TensorParallelExecutor:
 
     def execute(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """Run one step on every rank; returns seq_id -> sampled token ids (sampled on rank 0 only)."""
-        input_ids, positions, metadata, sample_indices, sample_seqs = self.runner.prepare_inputs(out)
+        inputs = self.runner.prepare_inputs(out)
+        sample_seqs = inputs.sample_seqs
         self.runner.sampler.prepare(sample_seqs, self.runner.config.hf_config.vocab_size)
-        logits = self._forward(input_ids, positions, metadata, sample_indices, with_logits=bool(sample_seqs))
-        if logits is None:
+        # The vocabulary-parallel LM head is a collective, so every rank computes the logits of every row read
+        # (prompt logprobs' rows too) in the one step; an embedding step reads rank 0's hidden states instead.
+        with_logits = bool(sample_seqs or inputs.prompt_rows)
+        rows = self._forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_indices, with_logits)
+        self.runner.read_prompt_rows(inputs, rows, lambda logits: logits)
+        if not sample_seqs:
             return {}
+        logits = rows if inputs.sample_rows is None else rows[inputs.sample_rows]
         return group_by_sequence(sample_seqs, self.runner.sampler(logits, sample_seqs))
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Full-vocabulary logits of the sequences that reach their end this step (gathered on rank 0)."""
-        input_ids, positions, metadata, sample_indices, _ = self.runner.prepare_inputs(out)
-        return self._forward(input_ids, positions, metadata, sample_indices, with_logits=True).float()
+        inputs = self.runner.prepare_inputs(out)
+        logits = self._forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_indices, True)
+        return (logits if inputs.sample_rows is None else logits[inputs.sample_rows]).float()
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         self._check_usable()

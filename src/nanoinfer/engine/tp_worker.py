@@ -87,7 +87,7 @@ def forward_shard(runner, input_ids, positions, metadata, sample_indices, with_l
     """This rank's part of one step; every rank calls it with the same inputs (the collectives pair up)."""
     hidden_states = runner.run_model(input_ids, positions, metadata, sample_indices)
     if not with_logits:
-        return None
+        return hidden_states  # the same on every rank after the last all-reduce: rank 0 pools its own
     return runner.model.compute_logits(hidden_states)
 
 
