@@ -28,6 +28,9 @@ class AttentionMetadata:
     # Models with linear-attention layers (attention/gated_delta.py): each sequence's slot in the state cache
     # ([num_seqs] int32; -1 reads and writes nothing). None for the others.
     state_slots: torch.Tensor | None = None
+    # Rows of partly filled blocks shared through the prefix cache, copied into the cache before the step runs:
+    # (source block, destination block, rows) on the host (BlockManager.pending_copies). None when there are none.
+    kv_block_copies: list[tuple[int, int, int]] | None = None
 
     @property
     def num_seqs(self) -> int:

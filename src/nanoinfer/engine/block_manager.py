@@ -5,6 +5,11 @@ block before it with its own token ids (xxhash), so equal hashes mean equal pref
 checked token by token. Freed blocks keep their hash and stay reusable until the free list hands them
 out again, when the stale hash is dropped.
 
+A prompt's last, partly filled block is shared too (copy-on-write, as vLLM v0 forked sequences): a freed
+sequence leaves it in the cache with the tokens it holds, and a later prompt that starts the same way takes it
+(when nobody holds it) or a copy of its leading rows. So requests that share a context of any length (the answers
+to one question, scored one after another) compute it once, not only its whole blocks.
+
 A hybrid model (linear-attention layers) also needs one state slot a running sequence: allocate_slots gives one
 with the sequence's first blocks (all or nothing, like the blocks) and free returns it.
 
@@ -15,12 +20,26 @@ block tables stay append-only (vLLM's block_pool.py makes the same choice).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import xxhash
 
+# A partly filled block is shared from this many leading tokens on: fewer cost about what the lookup saves. A
+# freed block is found by its parent's hash and its first tokens; at most PARTIAL_CANDIDATES blocks a key are kept,
+# newest first (requests sharing a context come one after another).
+MIN_SHARED_TOKENS = 16
+PARTIAL_CANDIDATES = 4
+
+
+class PartialShare(NamedTuple):
+    """A prefix hit inside a block: its first `num_tokens` rows hold what the new sequence needs there."""
+
+    block_id: int
+    num_tokens: int
+
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids", "partial_key", "partial_tokens")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -28,6 +47,9 @@ class Block:
         self.block_hash: int | None = None
         self.parent_hash: int | None = None  # hash of the block before it, checked on a hit with token_ids
         self.token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash, for the hit check
+        # A partly filled block left by a freed sequence: the tokens its leading rows hold, and its index key.
+        self.partial_key: tuple | None = None
+        self.partial_tokens: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
@@ -53,6 +75,9 @@ class BlockManager:
         # freed (nothing to lose), hashed ones to the tail (least recently used evicted first).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
+        self.partial_blocks: dict[tuple, list[int]] = {}  # (parent hash, first tokens) -> block ids, newest last
+        # Copies the coming step must make before its forward pass: (source block, destination block, rows).
+        self.pending_copies: list[tuple[int, int, int]] = []
         self.num_cache_hits = 0  # prompt blocks served from the prefix cache, over the engine's life
 
     @property
@@ -87,10 +112,36 @@ class BlockManager:
             parent = block_hash
         return block_ids
 
-    def allocate_slots(self, seq, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
-        """Give `seq` the blocks to hold `num_new_tokens` more tokens (after any prefix-cache hits).
-        All or nothing: on False nothing changed."""
-        num_tokens = seq.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
+    def find_partial_share(self, token_ids: list[int], computed_block_ids: list[int],
+                           limit: int) -> PartialShare | None:
+        """After the whole-block hits `computed_block_ids`, the cached partly filled block whose leading rows match
+        most of token_ids' next tokens (up to `limit` tokens in all), if MIN_SHARED_TOKENS or more match."""
+        if not self.enable_prefix_caching:
+            return None
+        start = len(computed_block_ids) * self.block_size
+        most = min(limit - start, self.block_size - 1)
+        if most < MIN_SHARED_TOKENS:
+            return None
+        parent = self.blocks[computed_block_ids[-1]].block_hash if computed_block_ids else None
+        key = (parent, tuple(token_ids[start : start + MIN_SHARED_TOKENS]))
+        best = None
+        for block_id in reversed(self.partial_blocks.get(key, ())):
+            held = self.blocks[block_id].partial_tokens
+            n = 0
+            for a, b in zip(held[:most], token_ids[start : start + most]):
+                if a != b:
+                    break
+                n += 1
+            if best is None or n > best.num_tokens:
+                best = PartialShare(block_id, n)
+        return best if best is not None and best.num_tokens >= MIN_SHARED_TOKENS else None
+
+    def allocate_slots(self, seq, num_new_tokens: int, computed_block_ids: list[int] = (),
+                       share: PartialShare | None = None) -> bool:
+        """Give `seq` the blocks to hold `num_new_tokens` more tokens (after any prefix-cache hits: whole blocks,
+        then a partly filled one's leading rows). All or nothing: on False nothing changed."""
+        num_shared = share.num_tokens if share is not None else 0
+        num_tokens = seq.num_computed_tokens + len(computed_block_ids) * self.block_size + num_shared + num_new_tokens
         num_new_blocks = self.num_blocks_for(num_tokens) - len(seq.block_table) - len(computed_block_ids)
         needs_state_slot = self.num_state_slots > 0 and seq.state_slot < 0
         if needs_state_slot and not self.free_state_slots:
@@ -112,16 +163,66 @@ class BlockManager:
         if computed_block_ids:
             seq.num_hashed_blocks = len(seq.block_table)
             self.num_cache_hits += len(computed_block_ids)
+        if share is not None:
+            source = self.blocks[share.block_id]
+            if source.ref_count == 0 and source.block_hash is None:
+                # Nobody holds it: take it as it is. Its owner writes only past the shared rows, so it stays a
+                # source for the others (a block with a whole-block hash is not written into: it is copied).
+                del self.free_block_ids[source.block_id]
+                source.ref_count = 1
+                source.partial_tokens = source.partial_tokens[: share.num_tokens]  # the rows past it get overwritten
+                seq.block_table.append(source.block_id)
+                num_new_blocks -= 1
+            else:
+                block_id = self._take_free_block()
+                self.pending_copies.append((source.block_id, block_id, share.num_tokens))
+                seq.block_table.append(block_id)
+                num_new_blocks -= 1
         for _ in range(max(num_new_blocks, 0)):
-            block_id, _ = self.free_block_ids.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                if self.hash_to_block_id.get(block.block_hash) == block_id:
-                    del self.hash_to_block_id[block.block_hash]
-                block.block_hash = block.parent_hash = block.token_ids = None
-            block.ref_count = 1
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._take_free_block())
         return True
+
+    def _take_free_block(self) -> int:
+        """The free list's head, its stale cache entries dropped, held once."""
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.hash_to_block_id.get(block.block_hash) == block_id:
+                del self.hash_to_block_id[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None
+        if block.partial_key is not None:
+            self._forget_partial(block)
+        block.ref_count = 1
+        return block_id
+
+    def _forget_partial(self, block: Block) -> None:
+        candidates = self.partial_blocks[block.partial_key]
+        candidates.remove(block.block_id)
+        if not candidates:
+            del self.partial_blocks[block.partial_key]
+        block.partial_key = block.partial_tokens = None
+
+    def _remember_partial(self, seq) -> None:
+        """Leave a freed sequence's partly filled, computed last block findable by the prompts that start the same."""
+        j, filled = divmod(seq.num_computed_tokens, self.block_size)
+        if filled < MIN_SHARED_TOKENS or j >= len(seq.block_table) or (j and j > seq.num_hashed_blocks):
+            return
+        block = self.blocks[seq.block_table[j]]
+        if block.block_hash is not None or block.ref_count != 0:
+            return  # a whole block now (its hash serves it), or still held by another sequence
+        parent = self.blocks[seq.block_table[j - 1]].block_hash if j else None
+        if j and parent is None:
+            return
+        if block.partial_key is not None:
+            self._forget_partial(block)
+        start = j * self.block_size
+        block.partial_tokens = tuple(seq.token_ids[start : start + filled])
+        block.partial_key = (parent, block.partial_tokens[:MIN_SHARED_TOKENS])
+        candidates = self.partial_blocks.setdefault(block.partial_key, [])
+        candidates.append(block.block_id)
+        if len(candidates) > PARTIAL_CANDIDATES:
+            stale = self.blocks[candidates[0]]
+            self._forget_partial(stale)
 
     def cache_full_blocks(self, seq) -> None:
         """Register the sequence's newly completed (computed and full) blocks in the prefix cache."""
@@ -148,8 +249,12 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-                if block.block_hash is None:
-                    self.free_block_ids.move_to_end(block_id, last=False)
+        if self.enable_prefix_caching and seq.block_table:
+            self._remember_partial(seq)
+        for block_id in reversed(seq.block_table):  # nothing cached in them: handed out first
+            block = self.blocks[block_id]
+            if block.ref_count == 0 and block.block_hash is None and block.partial_key is None:
+                self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_hashed_blocks = 0
         if seq.state_slot >= 0:

@@ -157,6 +157,8 @@ class ModelRunner:
         """The model's forward pass over this runner's cache (every rank's, eager): the final hidden states
         of every row, or of the rows in logits_indices (the model then skips the others' last-layer work)."""
         self.kv_cache.before_step(metadata.slot_mapping)
+        if metadata.kv_block_copies:
+            self.kv_cache.copy_rows(metadata.kv_block_copies)
         if self.decode_runner is not None and metadata.is_pure_decode:
             return self.decode_runner.run(input_ids, positions, metadata, logits_indices)
         return self.model(input_ids, positions, self.kv_caches, metadata, logits_indices)
@@ -241,6 +243,8 @@ class ModelRunner:
     def _forward(self, input_ids, positions, metadata: AttentionMetadata, hidden_indices) -> torch.Tensor:
         """The final hidden states of the rows in hidden_indices, in that order."""
         if self.graph_runner is not None and self.graph_runner.can_run(metadata):
+            if metadata.kv_block_copies:
+                self.kv_cache.copy_rows(metadata.kv_block_copies)
             return self.graph_runner.run(input_ids, positions, metadata)[hidden_indices]
         return self.run_model(input_ids, positions, metadata, hidden_indices)
 
@@ -337,6 +341,7 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             state_slots=torch.tensor(state_slots, dtype=torch.int32, device=dev) if self.state_cache else None,
+            kv_block_copies=out.kv_block_copies or None,
         )
         extra_rows = len(sample_rows) < len(hidden_indices)
         return ModelInputs(

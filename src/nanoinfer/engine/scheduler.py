@@ -26,6 +26,8 @@ from nanoinfer.engine.sequence import Request, Sequence, SequenceStatus
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     num_preempted: int = 0
+    # KV rows shared from a partly filled block, copied before the forward pass: (source, destination, rows)
+    kv_block_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -113,12 +115,14 @@ class Scheduler:
             if seq.grammar is None and seq.request.structured_output is not None:
                 if not self._start_grammar(seq, compiling):
                     continue
-            computed = []
+            computed, share = [], None
             if seq.num_computed_tokens == 0:  # not those whose hidden states this step must produce
-                computed = bm.get_computed_blocks(seq.token_ids)[: seq.max_cached_tokens // bm.block_size]
-            num_cached = len(computed) * bm.block_size
+                limit = seq.max_cached_tokens
+                computed = bm.get_computed_blocks(seq.token_ids)[: limit // bm.block_size]
+                share = bm.find_partial_share(seq.token_ids, computed, limit)
+            num_cached = len(computed) * bm.block_size + (share.num_tokens if share is not None else 0)
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
-            if not bm.allocate_slots(seq, num_new, computed):
+            if not bm.allocate_slots(seq, num_new, computed, share):
                 break
             if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
@@ -129,6 +133,7 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
+        out.kv_block_copies, bm.pending_copies = bm.pending_copies, []
 
         # Last, proposed tokens, from what the budget has left: speculation never delays an admission. Not
         # after a preemption: the cache is short.

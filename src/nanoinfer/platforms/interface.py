@@ -176,6 +176,14 @@ differ between layers, e.g. Gemma 4's global layers). Every backend
     def before_step(self, slot_mapping: torch.Tensor) -> None:
         """Called with each step's slot mapping before the model writes into the cache."""
 
+    def copy_rows(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy the first `rows` rows of block `source` into block `destination`, in every layer: a prefix shared
+        inside a block (after before_step, which may zero a destination it commits)."""
+        for source, destination, rows in copies:
+            for k_cache, v_cache in self.layers:
+                k_cache[destination, :rows] = k_cache[source, :rows]
+                v_cache[destination, :rows] = v_cache[source, :rows]
+
 
 def expert_activation(layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """An expert's gated activation of its [rows, 2I] gate/up projection (gate columns first), as transformers'."""
