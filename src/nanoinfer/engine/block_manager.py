@@ -5,10 +5,10 @@ block before it with its own token ids (xxhash), so equal hashes mean equal pref
 checked token by token. Freed blocks keep their hash and stay reusable until the free list hands them
 out again, when the stale hash is dropped.
 
-A prompt's last, partly filled block is shared too (copy-on-write, as vLLM v0 forked sequences): a freed
-sequence leaves it in the cache with the tokens it holds, and a later prompt that starts the same way takes it
-(when nobody holds it) or a copy of its leading rows. So requests that share a context of any length (the answers
-to one question, scored one after another) compute it once, not only its whole blocks.
+Part of a block is shared too (copy-on-write, as vLLM v0 forked sequences): a freed sequence leaves its blocks
+findable by their parent and leading tokens, and a later prompt that matches a block's first rows but not all of
+it takes the block (a partly filled one nobody holds) or a copy of those rows. So requests that share a context
+of any length (the answers to one question, scored one after another) compute it once, not only its whole blocks.
 
 A hybrid model (linear-attention layers) also needs one state slot a running sequence: allocate_slots gives one
 with the sequence's first blocks (all or nothing, like the blocks) and free returns it.
@@ -202,27 +202,26 @@ class BlockManager:
             del self.partial_blocks[block.partial_key]
         block.partial_key = block.partial_tokens = None
 
-    def _remember_partial(self, seq) -> None:
-        """Leave a freed sequence's partly filled, computed last block findable by the prompts that start the same."""
-        j, filled = divmod(seq.num_computed_tokens, self.block_size)
-        if filled < MIN_SHARED_TOKENS or j >= len(seq.block_table) or (j and j > seq.num_hashed_blocks):
-            return
-        block = self.blocks[seq.block_table[j]]
-        if block.block_hash is not None or block.ref_count != 0:
-            return  # a whole block now (its hash serves it), or still held by another sequence
-        parent = self.blocks[seq.block_table[j - 1]].block_hash if j else None
-        if j and parent is None:
-            return
-        if block.partial_key is not None:
-            self._forget_partial(block)
-        start = j * self.block_size
-        block.partial_tokens = tuple(seq.token_ids[start : start + filled])
-        block.partial_key = (parent, block.partial_tokens[:MIN_SHARED_TOKENS])
-        candidates = self.partial_blocks.setdefault(block.partial_key, [])
-        candidates.append(block.block_id)
-        if len(candidates) > PARTIAL_CANDIDATES:
-            stale = self.blocks[candidates[0]]
-            self._forget_partial(stale)
+    def _remember_blocks(self, seq) -> None:
+        """Leave a freed sequence's computed blocks findable by their leading tokens, for prompts that share only part
+        of one (a whole block is also found by its hash, but only by a prompt holding all of its tokens)."""
+        bs = self.block_size
+        for j, block_id in enumerate(seq.block_table):
+            filled = min(bs, seq.num_computed_tokens - j * bs)
+            parent = self.blocks[seq.block_table[j - 1]].block_hash if j else None
+            if filled < MIN_SHARED_TOKENS or (j and parent is None):
+                return  # the blocks after it cannot be keyed by their parent either
+            block = self.blocks[block_id]
+            if block.ref_count:
+                continue  # another sequence still holds it: the last to free it registers it
+            if block.partial_key is not None:
+                self._forget_partial(block)
+            block.partial_tokens = tuple(seq.token_ids[j * bs : j * bs + filled])
+            block.partial_key = (parent, block.partial_tokens[:MIN_SHARED_TOKENS])
+            candidates = self.partial_blocks.setdefault(block.partial_key, [])
+            candidates.append(block_id)
+            if len(candidates) > PARTIAL_CANDIDATES:
+                self._forget_partial(self.blocks[candidates[0]])
 
     def cache_full_blocks(self, seq) -> None:
         """Register the sequence's newly completed (computed and full) blocks in the prefix cache."""
@@ -250,7 +249,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         if self.enable_prefix_caching and seq.block_table:
-            self._remember_partial(seq)
+            self._remember_blocks(seq)
         for block_id in reversed(seq.block_table):  # nothing cached in them: handed out first
             block = self.blocks[block_id]
             if block.ref_count == 0 and block.block_hash is None and block.partial_key is None:
