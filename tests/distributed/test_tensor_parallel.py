@@ -66,13 +66,14 @@ def sharded_llms(model_dirs):
     """The TP=2 LLM of a family; one at a time, as a process holds one torch.distributed group."""
     current = {}
 
-    def get(family: str) -> LLM:
-        if family not in current:
+    def get(family: str, **settings) -> LLM:
+        key = (family, *sorted(settings.items()))
+        if key not in current:
             for llm in current.values():
                 llm.engine.close()
             current.clear()
-            current[family] = LLM(str(model_dirs[family]), tensor_parallel_size=2, **ENGINE)
-        return current[family]
+            current[key] = LLM(str(model_dirs[family]), tensor_parallel_size=2, **ENGINE, **settings)
+        return current[key]
 
     yield get
     for llm in current.values():
@@ -128,6 +129,45 @@ def test_structured_output_under_tp2_is_valid_and_equals_tp1(model_dirs, sharded
                 else:
                     assert re.fullmatch("[ab]{4}", c.text)
     assert num_stopped >= 3
+
+
+def run_all(llm: LLM, requests) -> list:
+    """(prompt, params, prompt_logprobs_start) requests at once; outputs in their order."""
+    ids = [llm.add_request(p, params, prompt_logprobs_start=start) for p, params, start in requests]
+    outputs = {}
+    while llm.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in llm.step()[0])
+    return [outputs[i] for i in ids]
+
+
+def test_prompt_logprobs_under_tp2_equal_tp1_with_shared_context_rows(model_dirs, sharded_llms):
+    """Rank 0 reads prompt logprobs from the gathered logits; rows shared inside a block are copied on every rank."""
+    single = LLM(str(model_dirs["qwen3"]), **ENGINE)
+    sharded = sharded_llms("qwen3")
+    prompts = make_prompts(single.config.hf_config.vocab_size, seed=5)
+    context, tails = prompts[-1], prompts[:4]
+    score = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    results = []
+    for llm in (single, sharded):
+        leader = run_all(llm, [(context + tails[0], score, len(context))])
+        results.append(leader + run_all(llm, [(context + t, score, len(context)) for t in tails[1:]]))
+    for a, b in zip(*results):
+        assert b.num_cached_tokens == a.num_cached_tokens
+        for x, y in zip(a.prompt_logprobs[len(context):], b.prompt_logprobs[len(context):]):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-5
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    assert [o.num_cached_tokens for o in results[1][1:]] == [len(context) - 1] * 3
+
+
+def test_embeddings_under_tp2_equal_tp1(model_dirs, sharded_llms):
+    pooling = {"runner": "pooling", "pooling_type": "mean"}
+    single = LLM(str(model_dirs["llama"]), **ENGINE, **pooling)
+    prompts = make_prompts(single.config.hf_config.vocab_size, seed=6)[::3]
+    want = single.embed(prompts)
+    got = sharded_llms("llama", **pooling).embed(prompts)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(torch.tensor(b.outputs.embedding), torch.tensor(a.outputs.embedding),
+                                   atol=1e-5, rtol=0)  # fmt: skip
 
 
 def test_warm_up_and_reallocation_of_a_hybrid_model_reach_every_rank(sharded_llms):

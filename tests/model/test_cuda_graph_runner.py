@@ -106,3 +106,43 @@ def test_graph_memory_is_measured_even_though_capture_empties_the_allocator_cach
     monkeypatch.setattr(engine.torch.cuda, "mem_get_info",
                         lambda: (gpu["total"] - reserved() - gpu["driver"], gpu["total"]))  # fmt: skip
     assert engine._measure_cuda_graph_bytes(Runner()) == 42 * mib
+
+
+@pytest.mark.timeout(300)
+def test_graph_steps_give_prompt_logprobs_and_copy_shared_rows_as_eager(tiny_model_dirs):
+    """Two sequences and a two-token budget: once one decodes, the other's prompt goes a row a step through the
+    graphs, its prompt logprobs read from the graph's outputs; a follower admitted beside the decoding owner of the
+    context's block gets a copy of the shared rows before its first replay."""
+    model = str(tiny_model_dirs["qwen3"])
+    settings = dict(max_model_len=128, cpu_kvcache_space_gib=0.05, max_num_seqs=2, max_num_batched_tokens=2)
+    context = list(range(40, 80))
+    tails = [[7, 8, 9], [11, 12], [13, 14, 15, 16]]
+    score = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    generate = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate([context + tails[0]], generate)  # leaves the context's rows in the cache
+        llm.add_request(context + tails[1], generate, request_id="owner")  # takes the block
+        while not llm.engine.scheduler.running or llm.engine.scheduler.running[0].num_output_tokens == 0:
+            outs += llm.step()[0]
+        llm.add_request(context + tails[2], score, request_id="copier", prompt_logprobs_start=len(context))
+        while llm.has_unfinished_requests():
+            outs += llm.step()[0]
+        return sorted(outs, key=lambda o: o.request_id)
+
+    eager = run(LLM(model, **settings))
+    llm = LLM(model, **settings)
+    capturer = ReplayingCapturer()
+    llm.engine.model_runner.capture_cuda_graphs(capturer=capturer)
+    copies = []
+    copy_rows = llm.engine.model_runner.kv_cache.copy_rows
+    llm.engine.model_runner.kv_cache.copy_rows = lambda c: copies.append(c) or copy_rows(c)
+    graphed = run(llm)
+    assert sum(capturer.replays.values()) > 10 and len(copies) == 1
+    for a, b in zip(eager, graphed):
+        assert b.token_ids == a.token_ids and b.num_cached_tokens == a.num_cached_tokens
+    (a, b), n = (eager[1], graphed[1]), len(context)
+    assert [(lp.token_id, [t for t, _ in lp.top]) for lp in b.prompt_logprobs[n:]] == \
+        [(lp.token_id, [t for t, _ in lp.top]) for lp in a.prompt_logprobs[n:]]
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[n:], b.prompt_logprobs[n:])) < 1e-5
+    assert [(o.request_id, o.num_cached_tokens) for o in graphed[1:]] == [("copier", 39), ("owner", 40)]
