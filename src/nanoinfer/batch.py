@@ -44,8 +44,9 @@ MAX_JSON_DEPTH = 64
 MAX_ID_CHARS = 1024  # ids are kept in memory for the whole job to catch duplicates
 _READ_CHUNK = 1 << 20
 
-NATIVE, CHAT, COMPLETIONS = "native", "chat", "completions"
-OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+NATIVE, CHAT, COMPLETIONS, EMBEDDINGS = "native", "chat", "completions", "embeddings"
+# /v1/embeddings lines are `nanoinfer embed`'s (embed_batch.py parses them); generate answers them with an error.
+OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/embeddings": EMBEDDINGS}
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _SAMPLING_KEYS = tuple(SamplingParams.field_names())
 # Ways to ask for structured output besides "structured_outputs": OpenAI's, and vLLM's older extra fields.
@@ -119,6 +120,7 @@ class BatchRequest:
     messages: list[dict] | None = None
     prompt_token_ids: list[int] | None = None
     model: str | None = None  # OpenAI body's "model", echoed in the response
+    echo: bool = False  # a completions body's echo: each choice's text (and logprobs) start with the prompt's
 
     @property
     def is_openai(self) -> bool:
@@ -194,9 +196,11 @@ class BatchReader:
     """
 
     def __init__(self, stream: Iterable[bytes], defaults: dict, done_lines: set[int] = frozenset(),
-                 max_line_bytes: int = MAX_LINE_BYTES, first_line: int = 1):
+                 max_line_bytes: int = MAX_LINE_BYTES, first_line: int = 1, parse: Callable | None = None):
         self.stream = stream
         self.defaults = defaults
+        # (line number, object, kind, defaults) -> request, raising BadLine: generate's parse_request by default
+        self.parse = parse or parse_request
         self.done_lines = done_lines
         self.max_line_bytes = max_line_bytes
         self.first_line = first_line  # the number of the stream's first line (Ray Data numbers rows across batches)
@@ -227,7 +231,7 @@ class BatchReader:
             if _SURROGATE_ESCAPE.search(raw):  # only an escape makes a lone surrogate: strict UTF-8 refuses them
                 check_unicode(obj)
             kind = self._last_kind = line_kind(obj)
-            request = parse_request(number, obj, kind, self.defaults)
+            request = self.parse(number, obj, kind, self.defaults)
         except BadLine as e:
             return self._error(number, requested_id, kind, e.code, e.message)
         except Exception as e:  # the per-line boundary: a bug here must not end the job
@@ -386,6 +390,9 @@ def request_id_of(obj: dict, kind: str) -> str | None:
 
 
 def parse_request(number: int, obj: dict, kind: str, defaults: dict) -> BatchRequest:
+    if kind == EMBEDDINGS:
+        raise BadLine("unsupported_url", "url /v1/embeddings asks for embeddings, which `nanoinfer embed` makes; "
+                      "`nanoinfer generate` answers /v1/chat/completions and /v1/completions.")
     if kind == NATIVE:
         return _parse_native(number, obj, defaults)
     return _parse_openai(number, obj, kind, defaults)
@@ -439,21 +446,25 @@ def _parse_openai(number: int, obj: dict, kind: str, defaults: dict) -> BatchReq
         if body.get("logprobs"):
             fields["logprobs"] = body.get("top_logprobs") or 0
     else:
-        if body.get("echo"):
-            raise BadLine("unsupported_parameter", "body.echo is not supported; the prompt is not returned.")
         if body.get("suffix") is not None:
             raise BadLine("unsupported_parameter", "body.suffix is not supported.")
         if body.get("best_of") not in (None, body.get("n", 1)):
             raise BadLine("unsupported_parameter", "body.best_of must equal n (or be left out).")
         if body.get("logprobs") is not None:
             fields["logprobs"] = body["logprobs"]
+            if body.get("echo"):  # the prompt's logprobs too, in the same shape (OpenAI's scoring idiom)
+                fields["prompt_logprobs"] = body["logprobs"]
     model = body.get("model")
+    echo = body.get("echo", False)
+    if kind == COMPLETIONS and not isinstance(echo, bool):
+        raise BadLine("invalid_sampling_params", f"body.echo must be true or false, got {_short(echo)}.")
     request = BatchRequest(
         number,
         custom_id,
         kind,
         make_params(defaults, fields),
         model=model if isinstance(model, str) else None,
+        echo=kind == COMPLETIONS and echo,
     )
     if kind == CHAT:
         if "messages" not in body:
@@ -608,6 +619,8 @@ def result_record(request: BatchRequest, output, decode: Callable[[int], str]) -
         record |= {k: v for k, v in choices[0].items() if k != "index"}
     else:
         record["choices"] = choices
+    if output.prompt_logprobs is not None:
+        record["prompt_logprobs"] = _native_logprobs(output.prompt_logprobs)
     record["usage"] = usage
     record["error"] = None
     return record
@@ -640,13 +653,15 @@ def encode_record(record: dict) -> bytes:
     return (json.dumps(record, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
 
 
-def _native_logprobs(logprobs) -> list[dict]:
+def _native_logprobs(logprobs) -> list[dict | None]:
     return [
         {
             "token_id": lp.token_id,
             "logprob": lp.logprob,
             "top": [{"token_id": t, "logprob": v} for t, v in lp.top],
         }
+        if lp is not None
+        else None  # a prompt's first token: nothing comes before it
         for lp in logprobs
     ]
 
@@ -660,6 +675,16 @@ def _openai_result(request: BatchRequest, output, decode: Callable[[int], str]) 
         if request.kind == CHAT:
             choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = _chat_logprobs(c.logprobs, decode) if c.logprobs is not None else None
+        elif request.echo:
+            prompt = output.prompt if output.prompt is not None else "".join(map(decode, output.prompt_token_ids))
+            choice["text"] = prompt + c.text
+            if c.logprobs is not None:
+                prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+                choice["logprobs"] = _completion_logprobs(
+                    [*prompt_logprobs, *c.logprobs], decode, [*output.prompt_token_ids, *c.token_ids]
+                )
+            else:
+                choice["logprobs"] = None
         else:
             choice["text"] = c.text
             choice["logprobs"] = _completion_logprobs(c.logprobs, decode) if c.logprobs is not None else None
@@ -715,16 +740,19 @@ def _chat_logprobs(logprobs, decode) -> dict:
     }
 
 
-def _completion_logprobs(logprobs, decode) -> dict:
-    tokens = [decode(lp.token_id) for lp in logprobs]
+def _completion_logprobs(logprobs, decode, token_ids: list[int] | None = None) -> dict:
+    """The legacy completions shape. With echo, `logprobs` starts with the prompt's (None for its first token, which
+    has no logprob: token_logprobs and top_logprobs hold null there) and token_ids names every token."""
+    token_ids = token_ids if token_ids is not None else [lp.token_id for lp in logprobs]
+    tokens = [decode(t) for t in token_ids]
     offsets, offset = [], 0
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{decode(t): v for t, v in lp.top} for lp in logprobs],
+        "token_logprobs": [lp.logprob if lp is not None else None for lp in logprobs],
+        "top_logprobs": [{decode(t): v for t, v in lp.top} if lp is not None else None for lp in logprobs],
         "text_offset": offsets,
     }
 

@@ -11,6 +11,7 @@ YAML files and flags).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 from nanoinfer.errors import ConfigError, ConfigProblem
 from nanoinfer.models import registry
 from nanoinfer.models.config import load_hf_config
-from nanoinfer.pooling import POOLING_TYPES, read_sentence_transformers_pooling
+from nanoinfer.pooling import POOLING_TYPES, read_sentence_transformers_folder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEVICES = ("auto", "cpu", "cuda")
@@ -176,6 +177,14 @@ class Config:
         self.hf_config, notice = registry.text_config(self.hf_config)  # a vision-language checkpoint's text part
         if notice:
             self.notes.append(("model", self.model, notice))
+        if registry.is_base_checkpoint(self.hf_config):
+            # No LM head to load: the head shares the embedding table, so the family builds (embeddings never read it)
+            if dataclasses.is_dataclass(self.hf_config):  # our frozen view of config.json
+                self.hf_config = dataclasses.replace(self.hf_config, tie_word_embeddings=True)
+            else:
+                self.hf_config.tie_word_embeddings = True
+            self.notes.append(("model", self.model, f"a base model ({self.hf_config.architectures[0]}) without an LM "
+                               "head: it makes embeddings (runner: pooling)"))  # fmt: skip
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if "max_model_len" not in bad and isinstance(max_pos, int) and self.max_model_len > max_pos:
             reason = f"clamped from {self.max_model_len} to the model's max_position_embeddings"
@@ -574,15 +583,21 @@ def _pooling_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
         return []
     if c.runner != "pooling":
         given = [name for name in ("pooling_type", "normalize") if getattr(c, name) is not None]
-        return [ConfigProblem(name, getattr(c, name), "applies only to embeddings (runner: pooling). Remove it, or "
-                              "set runner: pooling (`nanoinfer embed` does).") for name in given]  # fmt: skip
+        problems = [ConfigProblem(name, getattr(c, name), "applies only to embeddings (runner: pooling). Remove it, "
+                                  "or set runner: pooling (`nanoinfer embed` does).") for name in given]  # fmt: skip
+        if c.hf_config is not None and registry.is_base_checkpoint(c.hf_config):
+            problems.append(ConfigProblem("runner", c.runner, f"must be pooling for {c.model}: it is a base model "
+                                          f"({c.hf_config.architectures[0]}) without an LM head, which makes "
+                                          "embeddings, not text. Use `nanoinfer embed` or runner: pooling."))
+        return problems
     if c.pooling_type is not None and c.normalize is not None:
         return []
     try:
-        from_folder = read_sentence_transformers_pooling(c.model)
+        folder = read_sentence_transformers_folder(c.model)
     except ConfigError as e:
         return e.problems
-    pooling_type, normalize = from_folder or ("last", True)
+    pooling_type, normalize = (folder.pooling_type, folder.normalize) if folder else ("last", True)
+    from_folder = folder is not None
     source = "the model's sentence-transformers config" if from_folder else "the default"
     for name, value in (("pooling_type", pooling_type), ("normalize", normalize)):
         if getattr(c, name) is None:

@@ -19,7 +19,7 @@ from nanoinfer.engine.engine import LLMEngine, StepStats
 from nanoinfer.engine.sequence import Request, Sequence
 from nanoinfer.errors import ConfigError, ConfigProblem, NanoInferError, RequestError, UnservableRequestError
 from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from nanoinfer.pooling import Pooler, PoolingParams
+from nanoinfer.pooling import Pooler, PoolingParams, read_sentence_transformers_folder
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import StructuredOutputManager
 from nanoinfer.tokenizer import load_tokenizer
@@ -63,6 +63,9 @@ class LLM:
         self._request_counter = itertools.count()
         self._structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         self.pooler = Pooler(config.pooling_type, config.normalize) if config.runner == "pooling" else None
+        # sentence-transformers 6 embeds text as a user message through the chat template, for folders it saved so
+        folder = read_sentence_transformers_folder(config.model) if self.pooler is not None else None
+        self.embeds_messages = folder is not None and folder.renders_messages
 
     # ---- the batch API --------------------------------------------------------------------------------
     def generate(
@@ -166,7 +169,10 @@ class LLM:
                     "(--max-model-len).",
                     code="prompt_too_long",
                 )
-            text, token_ids = prompt, self.encode(prompt)
+            rendered = prompt
+            if pooling is not None and self.embeds_messages:
+                rendered = self.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=False)
+            text, token_ids = prompt, self.encode(rendered)
         else:
             text, token_ids = None, self.check_token_ids(prompt)
         self._check_length(len(token_ids))

@@ -18,11 +18,13 @@ from nanoinfer.errors import ConfigError, ConfigProblem, RequestError
 from nanoinfer.errors import short_repr as _show
 
 POOLING_TYPES = ("last", "mean", "cls")
-# sentence-transformers' 1_Pooling/config.json switches -> our names; the others (max, weighted mean, ...) are refused
-_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
-_ST_POOLING = "sentence_transformers.models.Pooling"
-_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# sentence-transformers' pooling modes -> our names: 1_Pooling/config.json's `pooling_mode` (v6) or its
+# pooling_mode_* switches (before); the others (max, weighted mean, ...) are refused
+_ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+_ST_SWITCHES = {f"pooling_mode_{name}": ours for name, ours in
+                (("lasttoken", "last"), ("mean_tokens", "mean"), ("cls_token", "cls"))}  # fmt: skip
+# The module classes nanoinfer runs, by class name: their import paths moved in sentence-transformers 6
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
 @dataclass
@@ -49,8 +51,20 @@ class PoolingParams:
             raise RequestError("invalid pooling parameters: " + "; ".join(problems), code="invalid_pooling_params")
 
 
-def read_sentence_transformers_pooling(model_dir: str | Path) -> tuple[str, bool] | None:
-    """(pooling_type, normalize) from a sentence-transformers folder, or None when the folder is not one.
+@dataclass
+class SentenceTransformersFolder:
+    """What a sentence-transformers folder says about embedding with it."""
+
+    pooling_type: str
+    normalize: bool
+    # sentence-transformers 6 renders plain text through the tokenizer's chat template, as a user message, when
+    # the Transformer module's modality_config has a "message" modality (what it saves for a model with a template)
+    renders_messages: bool = False
+
+
+def read_sentence_transformers_folder(model_dir: str | Path) -> SentenceTransformersFolder | None:
+    """The folder's sentence-transformers configuration (modules.json and the modules' configs, old or v6 layout),
+    or None when it is not a sentence-transformers folder (or has no Pooling module).
 
     Raises:
         ConfigError: the folder asks for what nanoinfer cannot do (a Dense layer, max pooling, ...).
@@ -63,33 +77,42 @@ def read_sentence_transformers_pooling(model_dir: str | Path) -> tuple[str, bool
     def problem(message: str) -> ConfigError:
         return ConfigError([ConfigProblem("pooling_type", str(modules_path), message)])
 
+    def read(path: Path) -> dict:
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise problem(f"names {path}, which cannot be read as JSON ({e}).") from None
+        return value if isinstance(value, dict) else {}
+
     try:
-        modules = json.loads(modules_path.read_text())
-        types = [m["type"] for m in modules]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        modules = {m["type"].rpartition(".")[2]: m for m in json.loads(modules_path.read_text())}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise problem(f"cannot be read as sentence-transformers' module list ({e}). Fix the file, or set "
                       "--pooling and --normalize and remove it.") from None
-    unknown = [t for t in types if t not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
+    unknown = [name for name in modules if name not in _ST_MODULES]
     if unknown:
         raise problem(f"has the module {unknown[0]}, which nanoinfer does not run (it runs Transformer, Pooling and "
                       "Normalize). Use a model without it.")
-    if _ST_POOLING not in types:
+    if "Pooling" not in modules:
         return None
-    pooling = next(m for m in modules if m["type"] == _ST_POOLING)
-    config_path = root / pooling.get("path", "1_Pooling") / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        raise problem(f"names the pooling config {config_path}, which cannot be read ({e}).") from None
-    modes = [name for key, name in _ST_MODES.items() if config.get(key)]
-    others = [k for k, v in config.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
-    if others or len(modes) != 1:
-        chosen = ", ".join(others + [k for k, v in config.items() if k in _ST_MODES and v]) or "none"
-        raise problem(f"pools by {chosen}; nanoinfer pools by exactly one of last token, mean or cls. Set --pooling "
-                      "to one of them and remove the sentence-transformers files, or use another model.")
+    config = read(root / modules["Pooling"].get("path", "1_Pooling") / "config.json")
+    mode = config.get("pooling_mode")
+    if mode is not None:  # v6: one name, or a list of them
+        modes = [mode] if isinstance(mode, str) else list(mode) if isinstance(mode, list) else [repr(mode)]
+    else:
+        modes = [k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_") and v]
+    ours = [_ST_MODES.get(m) or _ST_SWITCHES.get(f"pooling_mode_{m}") for m in modes]
+    if len(ours) != 1 or ours[0] is None:
+        raise problem(f"pools by {', '.join(map(str, modes)) or 'nothing'}; nanoinfer pools by exactly one of last "
+                      "token, mean or cls. Set --pooling to one of them and remove the sentence-transformers files, "
+                      "or use another model.")
     if config.get("include_prompt") is False:
         raise problem("excludes the prompt from pooling (include_prompt: false), which nanoinfer does not do.")
-    return modes[0], _ST_NORMALIZE in types
+    transformer_path = root / (modules["Transformer"].get("path") or "") if "Transformer" in modules else root
+    bert_config = transformer_path / "sentence_bert_config.json"
+    modalities = read(bert_config).get("modality_config") if bert_config.is_file() else None
+    return SentenceTransformersFolder(ours[0], "Normalize" in modules,
+                                      isinstance(modalities, dict) and "message" in modalities)
 
 
 class Pooler:

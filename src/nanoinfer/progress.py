@@ -1,4 +1,4 @@
-"""Progress of a `generate` job on stderr: a rich bar on a terminal, plain periodic log lines otherwise.
+"""Progress of a `generate` or `embed` job on stderr: a rich bar on a terminal, plain periodic log lines otherwise.
 
 Counts requests, errors and tokens from what the job reports (engine steps, written records) and turns
 them into rates, an ETA and the final summary (text or a JSON-ready dict). Owns no I/O but stderr.
@@ -31,6 +31,7 @@ class JobProgress:
         total: non-blank input lines (None when unknown, e.g. reading stdin).
         num_skipped: lines answered by an earlier run (--resume); they count as done.
         plain: no bar; a log line every `log_seconds` instead (--quiet, or stderr is not a terminal).
+        task: the command's name, shown first; "embed" jobs make no output tokens, so their rate is of prompt tokens.
     """
 
     def __init__(
@@ -40,7 +41,10 @@ class JobProgress:
         plain: bool = False,
         stream: TextIO | None = None,
         log_seconds: float = 10.0,
+        task: str = "generate",
     ):
+        self.task = task
+        self.makes_tokens = task != "embed"
         self.total = total
         self.num_skipped = num_skipped
         self.stream = stream or sys.stderr
@@ -67,13 +71,14 @@ class JobProgress:
         self.start = self._last_log = time.monotonic()
         if not self.plain:
             console = Console(file=self.stream, stderr=self.stream is sys.stderr)
+            out = [TextColumn("out {task.fields[out]} tok/s")] if self.makes_tokens else []
             self._bar = Progress(
-                TextColumn("[bold]generate"),
+                TextColumn(f"[bold]{self.task}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("requests"),
                 TextColumn("{task.fields[errors]}"),
-                TextColumn("out {task.fields[out]} tok/s"),
+                *out,
                 TextColumn("prefill {task.fields[prefill]} tok/s"),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
@@ -83,7 +88,7 @@ class JobProgress:
             )
             self._bar.start()
             self._task = self._bar.add_task(
-                "generate", total=self.total, completed=self.num_skipped, errors="", out="-", prefill="-"
+                self.task, total=self.total, completed=self.num_skipped, errors="", out="-", prefill="-"
             )
         return self
 
@@ -168,6 +173,10 @@ class JobProgress:
         retries = (
             f"; {failures} replica failure{'s' * (failures != 1)}, {s['retries']} lines retried" if failures else ""
         )
+        if not self.makes_tokens:
+            prompt_rate = s["prompt_tokens"] / s["seconds"] if s["seconds"] else 0.0
+            return (f"{s['requests']} requests{skipped}, {s['errors']} errors; {s['prompt_tokens']} prompt tokens in "
+                    f"{s['seconds']:.1f} s ({prompt_rate:.1f} prompt tok/s){retries}")
         return (
             f"{s['requests']} requests{skipped}, {s['errors']} errors; {s['prompt_tokens']} prompt tokens, "
             f"{s['output_tokens']} output tokens in {s['seconds']:.1f} s ({rate:.1f} output tok/s){speculation}"
@@ -180,8 +189,9 @@ class JobProgress:
         of = f"/{self.total}" if self.total is not None else ""
         eta = self.eta_seconds()
         eta_text = f", ETA {_clock(eta)}" if eta is not None else ""
+        out = f"out {out_rate:.1f} tok/s, " if self.makes_tokens else ""
         return (
-            f"generate: {done}{of} requests, {self.num_errors} errors, out {out_rate:.1f} tok/s, "
+            f"{self.task}: {done}{of} requests, {self.num_errors} errors, {out}"
             f"prefill {prefill_rate:.1f} tok/s, elapsed {_clock(self.elapsed)}{eta_text}"
         )
 

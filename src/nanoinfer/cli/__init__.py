@@ -40,7 +40,7 @@ def _register() -> None:
     # Imported for their side effect: each module adds its command to `app`.
     import importlib
 
-    for name in ("check_config", "generate", "plan_memory", "bench"):
+    for name in ("check_config", "generate", "embed", "plan_memory", "bench"):
         try:
             importlib.import_module(f"nanoinfer.cli.{name}")
         except ModuleNotFoundError as e:

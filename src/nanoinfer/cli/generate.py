@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -58,12 +59,15 @@ class Job:
     max_line_bytes: int = batch.MAX_LINE_BYTES
     total: int | None = None
     manifest: dict | None = None
+    command: str = "generate"  # the subcommand running the job (`embed` reuses all of this), for messages
+    parse: Callable | None = None  # the BatchReader's line parser (None: generate's)
 
 
 class Stopper:
     """SIGINT/SIGTERM: the first stops admitting work (the loop then exits cleanly); a second exits at once."""
 
-    def __init__(self):
+    def __init__(self, command: str = "generate"):
+        self.command = command
         self.signum: int | None = None
         self.started = False  # past loading: from here on an interrupt is handled by the loop
         self._previous = {}
@@ -87,12 +91,13 @@ class Stopper:
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
             # Every record written so far is already in the kernel (one write() each): safe to leave now.
-            os.write(2, b"\nnanoinfer generate: second interrupt, exiting now. Resume with --resume.\n")
+            os.write(2, f"\nnanoinfer {self.command}: second interrupt, exiting now. Resume with --resume.\n".encode())
             os._exit(128 + signum)
         self.signum = signum
         if not self.started:
             raise KeyboardInterrupt  # still checking or loading: nothing to flush
-        os.write(2, b"\nnanoinfer generate: stopping after this step (interrupt again to exit at once)\n")
+        message = f"\nnanoinfer {self.command}: stopping after this step (interrupt again to exit at once)\n"
+        os.write(2, message.encode())
 
 
 @app.command("generate")
@@ -305,6 +310,24 @@ def prepare_job(
     max_in_flight: int | None,
 ) -> Job:
     """Every file-level and config check; raises a NanoInferError (exit 2) before anything is loaded."""
+    input_path, output_path = check_files(input, output, resume, overwrite)
+    sampling_defaults = {k: v for k, v in flags.items() if v is not None}
+    sampling_defaults.setdefault("max_tokens", batch.DEFAULT_MAX_TOKENS)
+    if "structured_outputs" in sampling_defaults:
+        sampling_defaults["structured_outputs"] = {"json": _read_json_schema(sampling_defaults["structured_outputs"])}
+    try:
+        batch.make_params(sampling_defaults, {})
+    except batch.BadLine as e:
+        raise RequestError(f"the sampling flags are invalid: {e.message}") from None
+    # Counted before the Config is built: a large job's default for cpu_kernels depends on it.
+    sha256, num_lines = batch.scan_input(input_path) if input_path is not None else (None, None)
+    config = engine.build(defaults=engine_defaults(num_lines, sampling_defaults["max_tokens"]))
+    return make_job(input_path, output_path, config, sampling_defaults, resume, overwrite, max_in_flight,
+                    sha256, num_lines)
+
+
+def check_files(input: str, output: str, resume: bool, overwrite: bool) -> tuple[Path | None, Path | None]:
+    """(input path, output path), None for stdin/stdout, once the flags and files can make a job (else exit 2)."""
     if resume and overwrite:
         raise BatchFileError(
             "--resume and --overwrite contradict each other: --resume continues OUTPUT, "
@@ -326,17 +349,13 @@ def prepare_job(
         )
     if output_path is not None:
         _check_output_path(input_path, output_path, resume, overwrite)
-    sampling_defaults = {k: v for k, v in flags.items() if v is not None}
-    sampling_defaults.setdefault("max_tokens", batch.DEFAULT_MAX_TOKENS)
-    if "structured_outputs" in sampling_defaults:
-        sampling_defaults["structured_outputs"] = {"json": _read_json_schema(sampling_defaults["structured_outputs"])}
-    try:
-        batch.make_params(sampling_defaults, {})
-    except batch.BadLine as e:
-        raise RequestError(f"the sampling flags are invalid: {e.message}") from None
-    # Counted before the Config is built: a large job's default for cpu_kernels depends on it.
-    sha256, num_lines = batch.scan_input(input_path) if input_path is not None else (None, None)
-    config = engine.build(defaults=engine_defaults(num_lines, sampling_defaults["max_tokens"]))
+    return input_path, output_path
+
+
+def make_job(input_path: Path | None, output_path: Path | None, config, sampling_defaults: dict, resume: bool,
+             overwrite: bool, max_in_flight: int | None, sha256: str | None, num_lines: int | None) -> Job:
+    """The Job and its resume manifest (`sampling_defaults` is what a resumed run must repeat); checks an existing
+    output's manifest on --resume."""
     if max_in_flight is None:
         max_in_flight = min(4 * config.max_num_seqs, MAX_IN_FLIGHT_CAP)
     elif max_in_flight < 1:
@@ -446,17 +465,17 @@ def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: b
         return _output_failed(job, OutputWriteError(
             f"starting {where} failed: {e.strerror or e} (errno {e.errno}).", errno=e.errno), len(done_lines))
     plain = quiet or not sys.stderr.isatty()
-    progress = JobProgress(job.total, num_skipped=len(done_lines), plain=plain)
+    progress = JobProgress(job.total, num_skipped=len(done_lines), plain=plain, task=job.command)
     if not quiet:
         lines = f"{job.total} lines" if job.total is not None else "stdin"
-        _note(f"nanoinfer generate: {lines} -> {where} with {job.config.model}")
+        _note(f"nanoinfer {job.command}: {lines} -> {where} with {job.config.model}")
     try:
         with contextlib.ExitStack() as stack:
             stack.callback(writer.close)  # fsync at exit, also when the loop raises
             stream = (
                 sys.stdin.buffer if job.input_path is None else stack.enter_context(open(job.input_path, "rb"))
             )
-            reader = batch.BatchReader(stream, job.sampling_defaults, done_lines, job.max_line_bytes)
+            reader = batch.BatchReader(stream, job.sampling_defaults, done_lines, job.max_line_bytes, parse=job.parse)
             with progress:
                 (loop or stream_requests)(llm, reader, writer, progress, job.max_in_flight, stopper)
     except OutputWriteError as e:
@@ -532,9 +551,11 @@ def stream_requests(
     progress: JobProgress,
     max_in_flight: int,
     stopper: Stopper,
+    runner: LineRunner | None = None,
 ) -> None:
-    """Admit lines while fewer than max_in_flight requests are in the engine; write each one as it ends."""
-    for event in LineRunner(llm).run(reader, max_in_flight, lambda: stopper.stopping):
+    """Admit lines while fewer than max_in_flight requests are in the engine; write each one as it ends.
+    `runner`: what turns lines into requests and finished requests into records (default: LineRunner(llm))."""
+    for event in (runner or LineRunner(llm)).run(reader, max_in_flight, lambda: stopper.stopping):
         if isinstance(event, FinishedLine):
             write_finished(writer, progress, event)
         else:  # the end of an engine step

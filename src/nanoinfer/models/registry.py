@@ -72,6 +72,15 @@ def architecture_of(hf_config) -> str | None:
     return next((name for name, entry in _MODELS.items() if entry[2] == model_type), None)
 
 
+def is_base_checkpoint(hf_config) -> bool:
+    """A base model's checkpoint (e.g. `Qwen3Model`, as many embedding models publish): the decoder without its LM
+    head, its tensors named without the `model.` prefix. It runs as its family's causal LM for embeddings."""
+    names = getattr(hf_config, "architectures", None) or []
+    return not any(name in _MODELS for name in names) and any(
+        name.endswith("Model") and name.removesuffix("Model") + "ForCausalLM" in _MODELS for name in names
+    )
+
+
 def describe_unsupported(hf_config) -> str:
     """What a config names that nanoinfer does not run, for an error message."""
     names = getattr(hf_config, "architectures", None) or []
@@ -114,9 +123,11 @@ def build_model(hf_config, backend, max_position: int, dtype=None):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype or torch.float32)
     try:
-        return model_class(architecture_of(hf_config))(hf_config, backend, max_position)
+        model = model_class(architecture_of(hf_config))(hf_config, backend, max_position)
     finally:
         torch.set_default_dtype(previous)
+    model.is_base_checkpoint = is_base_checkpoint(hf_config)  # its tensors lack the `model.` prefix
+    return model
 
 
 def model_spec(hf_config):

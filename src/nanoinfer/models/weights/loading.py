@@ -31,6 +31,8 @@ class WeightLoading:
     def load(self, name: str, tensor_fn) -> None:
         """Checkpoint tensor `name` (read by tensor_fn(), only if the model keeps it) through the family's
         name mapping (CausalLM.sanitize) into its parameters."""
+        if getattr(self.model, "is_base_checkpoint", False) and not name.startswith("model."):
+            name = f"model.{name}"  # a base model's checkpoint (registry.is_base_checkpoint)
         sanitize = getattr(self.model, "sanitize", None)
         pairs = sanitize(name, tensor_fn) if sanitize is not None else [(name, tensor_fn)]
         for new_name, fn in pairs:
