@@ -515,3 +515,69 @@ def test_openai_records_carry_their_line_in_the_id():
     assert batch.record_line_number({"id": "batch_req_line42", "custom_id": "x"}) == 42
     assert batch.record_line_number({"id": "x", "line": 3}) == 3
     assert batch.record_line_number({"id": "x"}) is None
+
+
+# ---- prompt logprobs: native records and OpenAI's echo -------------------------------------------------------
+def _reference_logprobs(model: str, token_ids: list[int]) -> torch.Tensor:
+    from nanoinfer.testing.hf_reference import hf_model
+
+    with torch.no_grad():
+        logits = hf_model(model)(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(token_ids[1:])[:, None]).squeeze(1)
+
+
+def test_prompt_logprobs_on_a_native_line_score_the_prompt(tmp_path, tiny_model):
+    prompt = [5, 9, 33, 80, 7, 12]
+    lines = [json.dumps({"id": "s", "prompt_token_ids": prompt, "prompt_logprobs": 2, "max_tokens": 0}).encode(),
+             json.dumps({"id": "g", "prompt": "The quick brown fox", "prompt_logprobs": 0}).encode()]
+    result, records = run_generate(tmp_path, tiny_model, lines)
+    assert result.exit_code == 0, result.output
+    by_id = {r["id"]: r for r in records}
+    scored = by_id["s"]
+    assert scored["text"] == "" and scored["finish_reason"] == "length" and scored["usage"]["completion_tokens"] == 0
+    entries = scored["prompt_logprobs"]
+    assert entries[0] is None and [e["token_id"] for e in entries[1:]] == prompt[1:]
+    assert all(len(e["top"]) == 2 for e in entries[1:])
+    expected = _reference_logprobs(tiny_model, prompt)
+    assert max(abs(e["logprob"] - r) for e, r in zip(entries[1:], expected.tolist())) < 1e-4
+    assert by_id["g"]["usage"]["completion_tokens"] == 4 and by_id["g"]["prompt_logprobs"][1]["top"] == []
+
+
+def test_openai_completions_echo_returns_the_prompts_logprobs(tmp_path, tiny_model):
+    from openai.types import Completion
+    from pydantic import ValidationError
+
+    prompt = [5, 9, 33, 80, 7, 12]
+    lines = [openai_line("score", "/v1/completions", {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1,
+                                                      "max_tokens": 0}),
+             openai_line("both", "/v1/completions", {"model": "m", "prompt": "Once upon", "echo": True,
+                                                     "logprobs": 0, "max_tokens": 2}),
+             openai_line("text", "/v1/completions", {"model": "m", "prompt": "Once upon", "echo": True,
+                                                     "max_tokens": 2}),
+             openai_line("bad", "/v1/completions", {"model": "m", "prompt": "x", "echo": "yes"})]
+    result, records = run_generate(tmp_path, tiny_model, lines)
+    assert result.exit_code == 0, result.output
+    by_id = {r["custom_id"]: r for r in records}
+    score = by_id["score"]["response"]["body"]
+    logprobs = score["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt) and score["usage"]["completion_tokens"] == 0
+    assert "".join(logprobs["tokens"]) == score["choices"][0]["text"]
+    # The first token has no logprob: null, as OpenAI's API and vLLM send it. openai-python's Logprobs declares plain
+    # floats, so those two nulls are the only thing its validation refuses.
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    with pytest.raises(ValidationError) as refused:
+        Completion.model_validate(score)
+    assert {e["loc"][-1] for e in refused.value.errors()} == {0} and len(refused.value.errors()) == 2
+    first = dict(logprobs, token_logprobs=[0.0, *logprobs["token_logprobs"][1:]],
+                 top_logprobs=[{}, *logprobs["top_logprobs"][1:]])
+    Completion.model_validate(dict(score, choices=[dict(score["choices"][0], logprobs=first)]))
+    expected = _reference_logprobs(tiny_model, prompt)
+    assert max(abs(a - b) for a, b in zip(logprobs["token_logprobs"][1:], expected.tolist())) < 1e-4
+    both = by_id["both"]["response"]["body"]["choices"][0]
+    assert both["text"].startswith("Once upon") and len(both["logprobs"]["tokens"]) == \
+        by_id["both"]["response"]["body"]["usage"]["total_tokens"]
+    assert all(v is not None for v in both["logprobs"]["token_logprobs"][1:])
+    text = by_id["text"]["response"]["body"]
+    Completion.model_validate(text)
+    assert text["choices"][0]["text"].startswith("Once upon") and text["choices"][0]["logprobs"] is None
+    assert by_id["bad"]["error"]["code"] == "invalid_sampling_params"

@@ -16,7 +16,7 @@ import torch
 
 from nanoinfer import memory
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.engine.sampler import Sampler, prompt_logprobs
+from nanoinfer.engine.sampler import PROMPT_LOGPROBS_CHUNK, Sampler, prompt_logprobs
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.models import registry
@@ -169,12 +169,12 @@ class ModelRunner:
         activation peak, and the logits of every row a step can sample. Needs a cache of at least
         max_num_batched_tokens tokens."""
         num_seqs = self.warmup_batch()
-        rows = max_num_sampled_rows(self.config)
+        rows = max(max_num_sampled_rows(self.config), PROMPT_LOGPROBS_CHUNK)
         if rows > num_seqs:
-            # Speculation samples more rows than sequences: their logits, and the float32 copy a mixed batch's
-            # sampler makes, are part of the peak the warm-up measures.
+            # Speculation samples more rows than sequences, and prompt logprobs take a chunk of rows at a time:
+            # their logits, the float32 copy and its log-softmax are part of the peak the warm-up measures.
             hidden = torch.zeros(rows, self.config.hf_config.hidden_size, dtype=self.dtype, device=self.device)
-            self.model.compute_logits(hidden).float()
+            torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
 
     @torch.inference_mode()
     def warmup_batch(self) -> int:
