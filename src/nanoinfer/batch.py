@@ -700,10 +700,15 @@ def _openai_result(request: BatchRequest, output, decode: Callable[[int], str]) 
         "choices": choices,
         "usage": usage,
     }
+    return openai_batch_line(request.line, request.id, body)
+
+
+def openai_batch_line(line: int, custom_id: str, body: dict) -> dict:
+    """The OpenAI batch output line answering input line `line` with a 200 and `body`."""
     return {
-        "id": f"batch_req_line{request.line}",
-        "custom_id": request.id,
-        "response": {"status_code": 200, "request_id": f"req_line{request.line}", "body": body},
+        "id": f"batch_req_line{line}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": f"req_line{line}", "body": body},
         "error": None,
     }
 

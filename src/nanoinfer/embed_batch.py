@@ -159,12 +159,7 @@ def embedding_record(request: EmbedRequest, outputs: list) -> dict:
         "model": request.model or "nanoinfer",
         "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"]},
     }
-    return {
-        "id": f"batch_req_line{request.line}",
-        "custom_id": request.id,
-        "response": {"status_code": 200, "request_id": f"req_line{request.line}", "body": body},
-        "error": None,
-    }
+    return batch.openai_batch_line(request.line, request.id, body)
 
 
 def embedding_error_record(error: LineError) -> dict:

@@ -10,14 +10,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from nanoinfer import batch
 from nanoinfer.cli import app, err_console, user_errors
 from nanoinfer.cli import generate as generate_cli
 from nanoinfer.cli.engine_options import EngineOptions, engine_options
 from nanoinfer.embed_batch import ENCODING_FORMATS, parse_embedding
-from nanoinfer.errors import BatchFileError, NanoInferError
+from nanoinfer.errors import BatchFileError
 from nanoinfer.jobs.embed_runner import EmbedLineRunner
 
 _EMBEDDING = "Embeddings (a line's own fields win)"
@@ -42,29 +41,17 @@ def embed(
         typer.Option("--embedding-format", help="float (a JSON list) | base64 (little-endian float32 bytes, as "
                      "OpenAI's encoding_format).", rich_help_panel=_EMBEDDING),
     ] = "float",
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue an interrupted job into OUTPUT.")
-    ] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.")] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="No progress bar; a plain log line every 10 s.")
-    ] = False,
-    json_output: Annotated[
-        bool, typer.Option("--json", help="Print the final summary as JSON on stdout (stderr when -o -).")
-    ] = False,
+    resume: generate_cli.ResumeOption = False,
+    overwrite: generate_cli.OverwriteOption = False,
+    quiet: generate_cli.QuietOption = False,
+    json_output: generate_cli.JsonOption = False,
     max_in_flight: Annotated[
         int | None,
         typer.Option("--max-in-flight", help="Most requests (inputs) in the engine at once (default 4 x "
                      f"max_num_seqs, at most {generate_cli.MAX_IN_FLIGHT_CAP})."),
     ] = None,
-    max_line_bytes: Annotated[
-        int,
-        typer.Option("--max-line-bytes", help="Longer input lines get an error record, unread."),
-    ] = batch.MAX_LINE_BYTES,
-    log_level: Annotated[
-        str | None,
-        typer.Option("--log-level", help="Log to stderr at this level: debug, info, warning, error."),
-    ] = None,
+    max_line_bytes: generate_cli.MaxLineBytesOption = batch.MAX_LINE_BYTES,
+    log_level: generate_cli.LogLevelOption = None,
 ):
     """Embed every line of a JSONL file, writing one JSONL record per line.
 
@@ -92,14 +79,7 @@ def embed(
             job = prepare_job(input, output, engine, dimensions, embedding_format, resume, overwrite, max_in_flight,
                               max_line_bytes)
             llm = load_llm(job.config)
-        try:
-            code = generate_cli.run_job(job, llm, stopper, quiet=quiet, json_output=json_output,
-                                        loop=stream_embeddings)
-        except NanoInferError as e:  # mid-run failure (e.g. a tensor-parallel worker died): records are on disk
-            err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
-            err_console.print(f"Finished records are in {escape(output)}; run the same command with --resume "
-                              "to continue.", highlight=False)
-            code = 1
+        code = generate_cli.run_job(job, llm, stopper, quiet=quiet, json_output=json_output, loop=stream_embeddings)
     except KeyboardInterrupt:
         code = stopper.exit_code if stopper.signum else 130
         err_console.print("nanoinfer embed: interrupted before embedding started; nothing was written.")

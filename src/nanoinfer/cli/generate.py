@@ -41,6 +41,21 @@ _SAMPLING = "Sampling defaults (a line's own fields win)"
 _RAY = "Many machines (Ray)"
 
 
+# The job options `generate` and `embed` share, declared once.
+ResumeOption = Annotated[bool, typer.Option("--resume", help="Continue an interrupted job into OUTPUT.")]
+OverwriteOption = Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; a plain log line every 10 s.")]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print the final summary as JSON on stdout (stderr when -o -).")
+]
+MaxLineBytesOption = Annotated[
+    int, typer.Option("--max-line-bytes", help="Longer input lines get an error record, unread.")
+]
+LogLevelOption = Annotated[
+    str | None, typer.Option("--log-level", help=f"Log to stderr at this level: {', '.join(_LOG_LEVELS)}.")
+]
+
+
 def _opt(*names: str, help: str, panel: str | None = None):
     return typer.Option(*names, help=help, rich_help_panel=panel)
 
@@ -159,16 +174,10 @@ def generate(
         _opt("--json-any-whitespace/--no-json-any-whitespace",
              help="Let JSON outputs hold free whitespace (default: as json.dumps writes it).", panel=_SAMPLING),
     ] = None,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue an interrupted job into OUTPUT.")
-    ] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it exists.")] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="No progress bar; a plain log line every 10 s.")
-    ] = False,
-    json_output: Annotated[
-        bool, typer.Option("--json", help="Print the final summary as JSON on stdout (stderr when -o -).")
-    ] = False,
+    resume: ResumeOption = False,
+    overwrite: OverwriteOption = False,
+    quiet: QuietOption = False,
+    json_output: JsonOption = False,
     max_in_flight: Annotated[
         int | None,
         typer.Option(
@@ -177,14 +186,8 @@ def generate(
             f"{MAX_IN_FLIGHT_CAP}).",
         ),
     ] = None,
-    max_line_bytes: Annotated[
-        int,
-        typer.Option("--max-line-bytes", help="Longer input lines get an error record, unread."),
-    ] = batch.MAX_LINE_BYTES,
-    log_level: Annotated[
-        str | None,
-        typer.Option("--log-level", help=f"Log to stderr at this level: {', '.join(_LOG_LEVELS)}."),
-    ] = None,
+    max_line_bytes: MaxLineBytesOption = batch.MAX_LINE_BYTES,
+    log_level: LogLevelOption = None,
     data_parallel_size: Annotated[
         int,
         _opt("--data-parallel-size", help="Engine replicas, each with all the settings above, run as Ray actors "
@@ -251,14 +254,7 @@ def generate(
                 loop = ray_replicas.stream_requests
                 if not quiet:
                     _note(f"nanoinfer generate: started {replicas.description} on Ray")
-        try:
-            code = run_job(job, llm, stopper, quiet=quiet, json_output=json_output, loop=loop)
-        except NanoInferError as e:
-            # Mid-run failure (e.g. a tensor-parallel worker died): finished records are on disk.
-            err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
-            err_console.print(f"Finished records are in {escape(output)}; run the same command with --resume "
-                              "to continue.", highlight=False)
-            code = 1
+        code = run_job(job, llm, stopper, quiet=quiet, json_output=json_output, loop=loop)
     except KeyboardInterrupt:
         code = stopper.exit_code if stopper.signum else 130
         err_console.print("nanoinfer generate: interrupted before generation started; nothing was written.")
@@ -480,6 +476,12 @@ def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: b
                 (loop or stream_requests)(llm, reader, writer, progress, job.max_in_flight, stopper)
     except OutputWriteError as e:
         return _output_failed(job, e, len(done_lines) + writer.num_written)
+    except NanoInferError as e:
+        # Mid-run failure (e.g. a tensor-parallel worker died): finished records are on disk.
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
+        err_console.print(f"Finished records are in {escape(where)}; run the same command with --resume to "
+                          "continue.", highlight=False)
+        return 1
     if stopper.stopping:
         name = signal.Signals(stopper.signum).name
         total = f" of {job.total}" if job.total is not None else ""
