@@ -28,7 +28,7 @@ import xxhash
 # freed block is found by its parent's hash and its first tokens; at most PARTIAL_CANDIDATES blocks a key are kept,
 # newest first (requests sharing a context come one after another).
 MIN_SHARED_TOKENS = 16
-PARTIAL_CANDIDATES = 4
+PARTIAL_CANDIDATES = 8
 
 
 class PartialShare(NamedTuple):
@@ -165,19 +165,22 @@ class BlockManager:
             self.num_cache_hits += len(computed_block_ids)
         if share is not None:
             source = self.blocks[share.block_id]
-            if source.ref_count == 0 and source.block_hash is None:
-                # Nobody holds it: take it as it is. Its owner writes only past the shared rows, so it stays a
-                # source for the others (a block with a whole-block hash is not written into: it is copied).
+            if source.ref_count == 0 and source.block_hash is None and share.num_tokens == len(source.partial_tokens):
+                # Nobody holds it and the new owner wants all it holds: take it as it is. The owner writes only past
+                # those rows, so it stays a source for the others.
                 del self.free_block_ids[source.block_id]
                 source.ref_count = 1
-                source.partial_tokens = source.partial_tokens[: share.num_tokens]  # the rows past it get overwritten
                 seq.block_table.append(source.block_id)
-                num_new_blocks -= 1
             else:
+                # Copied: a block with a whole-block hash is never written into, and taking a block for part of its
+                # rows would cut what it can give the prompts that share more of it.
+                if source.ref_count == 0:
+                    self.free_block_ids.move_to_end(source.block_id)  # the copy's block comes from elsewhere
                 block_id = self._take_free_block()
-                self.pending_copies.append((source.block_id, block_id, share.num_tokens))
+                if block_id != source.block_id:  # else the source was the last free block: it is taken after all
+                    self.pending_copies.append((source.block_id, block_id, share.num_tokens))
                 seq.block_table.append(block_id)
-                num_new_blocks -= 1
+            num_new_blocks -= 1
         for _ in range(max(num_new_blocks, 0)):
             seq.block_table.append(self._take_free_block())
         return True
