@@ -89,7 +89,7 @@ class PartialSharingMachine(RuleBasedStateMachine):
             assert 1 <= len(block_ids) <= block_manager_module.PARTIAL_CANDIDATES
             for block_id in block_ids:
                 block = bm.blocks[block_id]
-                assert block.partial_key == key
+                assert key in block.partial_keys and key[1] == block.partial_tokens[: len(key[1])]
                 prefix = self.rows[block_id][len(block.partial_tokens) - 1]
                 assert prefix is not None and prefix[-len(block.partial_tokens):] == block.partial_tokens
                 assert all(self.rows[block_id][r] == prefix[: len(prefix) - len(block.partial_tokens) + r + 1]

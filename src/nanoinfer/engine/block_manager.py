@@ -24,11 +24,12 @@ from typing import NamedTuple
 
 import xxhash
 
-# A partly filled block is shared from this many leading tokens on: fewer cost about what the lookup saves. A
-# freed block is found by its parent's hash and its first tokens; at most PARTIAL_CANDIDATES blocks a key are kept,
+# Part of a block is shared from this many leading tokens on: fewer cost about what the lookup saves. A freed block
+# is found by its parent's hash and its leading tokens, MIN_SHARED_TOKENS at a time (a key for 16, 32, 48, ...
+# tokens), so contexts that start alike still have keys of their own; at most PARTIAL_CANDIDATES blocks a key,
 # newest first (requests sharing a context come one after another).
 MIN_SHARED_TOKENS = 16
-PARTIAL_CANDIDATES = 8
+PARTIAL_CANDIDATES = 4
 
 
 class PartialShare(NamedTuple):
@@ -39,7 +40,7 @@ class PartialShare(NamedTuple):
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids", "partial_key", "partial_tokens")
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids", "partial_keys", "partial_tokens")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -47,8 +48,8 @@ class Block:
         self.block_hash: int | None = None
         self.parent_hash: int | None = None  # hash of the block before it, checked on a hit with token_ids
         self.token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash, for the hit check
-        # A partly filled block left by a freed sequence: the tokens its leading rows hold, and its index key.
-        self.partial_key: tuple | None = None
+        # A block left by a freed sequence, findable by its leading rows: the tokens they hold, its index keys.
+        self.partial_keys: list[tuple] = []
         self.partial_tokens: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
@@ -75,7 +76,7 @@ class BlockManager:
         # freed (nothing to lose), hashed ones to the tail (least recently used evicted first).
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
-        self.partial_blocks: dict[tuple, list[int]] = {}  # (parent hash, first tokens) -> block ids, newest last
+        self.partial_blocks: dict[tuple, list[int]] = {}  # (parent hash, leading tokens) -> block ids, newest last
         # Copies the coming step must make before its forward pass: (source block, destination block, rows).
         self.pending_copies: list[tuple[int, int, int]] = []
         self.num_cache_hits = 0  # prompt blocks served from the prefix cache, over the engine's life
@@ -123,18 +124,13 @@ class BlockManager:
         if most < MIN_SHARED_TOKENS:
             return None
         parent = self.blocks[computed_block_ids[-1]].block_hash if computed_block_ids else None
-        key = (parent, tuple(token_ids[start : start + MIN_SHARED_TOKENS]))
-        best = None
-        for block_id in reversed(self.partial_blocks.get(key, ())):
-            held = self.blocks[block_id].partial_tokens
-            n = 0
-            for a, b in zip(held[:most], token_ids[start : start + most]):
-                if a != b:
-                    break
-                n += 1
-            if best is None or n > best.num_tokens:
-                best = PartialShare(block_id, n)
-        return best if best is not None and best.num_tokens >= MIN_SHARED_TOKENS else None
+        wanted = tuple(token_ids[start : start + most])
+        for n in range(most // MIN_SHARED_TOKENS * MIN_SHARED_TOKENS, 0, -MIN_SHARED_TOKENS):
+            candidates = self.partial_blocks.get((parent, wanted[:n]))
+            if candidates:  # the longest key found: every candidate shares its n tokens at least
+                return max((PartialShare(b, _common_prefix(self.blocks[b].partial_tokens, wanted, n))
+                            for b in reversed(candidates)), key=lambda share: share.num_tokens)  # fmt: skip
+        return None
 
     def allocate_slots(self, seq, num_new_tokens: int, computed_block_ids: list[int] = (),
                        share: PartialShare | None = None) -> bool:
@@ -193,17 +189,21 @@ class BlockManager:
             if self.hash_to_block_id.get(block.block_hash) == block_id:
                 del self.hash_to_block_id[block.block_hash]
             block.block_hash = block.parent_hash = block.token_ids = None
-        if block.partial_key is not None:
+        if block.partial_tokens is not None:
             self._forget_partial(block)
         block.ref_count = 1
         return block_id
 
     def _forget_partial(self, block: Block) -> None:
-        candidates = self.partial_blocks[block.partial_key]
-        candidates.remove(block.block_id)
+        for key in block.partial_keys:
+            self._unlist(key, block.block_id)
+        block.partial_keys, block.partial_tokens = [], None
+
+    def _unlist(self, key: tuple, block_id: int) -> None:
+        candidates = self.partial_blocks[key]
+        candidates.remove(block_id)
         if not candidates:
-            del self.partial_blocks[block.partial_key]
-        block.partial_key = block.partial_tokens = None
+            del self.partial_blocks[key]
 
     def _remember_blocks(self, seq) -> None:
         """Leave a freed sequence's computed blocks findable by their leading tokens, for prompts that share only part
@@ -217,14 +217,28 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count:
                 continue  # another sequence still holds it: the last to free it registers it
-            if block.partial_key is not None:
+            if block.partial_tokens is not None:
                 self._forget_partial(block)
-            block.partial_tokens = tuple(seq.token_ids[j * bs : j * bs + filled])
-            block.partial_key = (parent, block.partial_tokens[:MIN_SHARED_TOKENS])
-            candidates = self.partial_blocks.setdefault(block.partial_key, [])
-            candidates.append(block_id)
-            if len(candidates) > PARTIAL_CANDIDATES:
-                self._forget_partial(self.blocks[candidates[0]])
+            tokens = tuple(seq.token_ids[j * bs : j * bs + filled])
+            # A block whose rows hold a prefix of another's serves nothing the other does not: keep the longer.
+            first = self.partial_blocks.get((parent, tokens[:MIN_SHARED_TOKENS]), [])
+            if any(self.blocks[other].partial_tokens[:filled] == tokens for other in first):
+                continue
+            for other in [b for b in first if tokens[: len(self.blocks[b].partial_tokens)]
+                          == self.blocks[b].partial_tokens]:  # fmt: skip
+                self._forget_partial(self.blocks[other])
+            block.partial_tokens = tokens
+            for n in range(MIN_SHARED_TOKENS, filled + 1, MIN_SHARED_TOKENS):
+                key = (parent, tokens[:n])
+                block.partial_keys.append(key)
+                candidates = self.partial_blocks.setdefault(key, [])
+                candidates.append(block_id)
+                if len(candidates) > PARTIAL_CANDIDATES:  # the oldest stays findable by its longer keys
+                    oldest = self.blocks[candidates[0]]
+                    oldest.partial_keys.remove(key)
+                    self._unlist(key, oldest.block_id)
+                    if not oldest.partial_keys:
+                        oldest.partial_tokens = None
 
     def cache_full_blocks(self, seq) -> None:
         """Register the sequence's newly completed (computed and full) blocks in the prefix cache."""
@@ -255,10 +269,22 @@ class BlockManager:
             self._remember_blocks(seq)
         for block_id in reversed(seq.block_table):  # nothing cached in them: handed out first
             block = self.blocks[block_id]
-            if block.ref_count == 0 and block.block_hash is None and block.partial_key is None:
+            if block.ref_count == 0 and block.block_hash is None and block.partial_tokens is None:
                 self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_hashed_blocks = 0
         if seq.state_slot >= 0:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = -1
+
+
+def _common_prefix(held: tuple[int, ...], wanted: tuple[int, ...], known: int) -> int:
+    """How many leading tokens `held` and `wanted` share, knowing the first `known` are equal (slices compare in C)."""
+    lo, hi = known, min(len(held), len(wanted))
+    while lo < hi:  # the longest equal prefix is in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        if held[:mid] == wanted[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
