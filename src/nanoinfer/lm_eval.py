@@ -196,7 +196,7 @@ class NanoInferLM(TemplateLM):
                 entries.append((list(context), len(context)))  # scores nothing: all its prompt_logprobs are None
                 members = [len(entries) - 1, *members]
             groups.append(members)
-        submitter = _Submitter(entries, groups, self.llm.config)
+        submitter = _Submitter(entries, groups, self.llm.config, self.llm.engine.block_manager.num_blocks)
         params = SamplingParams(max_tokens=0, prompt_logprobs=1)
         in_flight: dict[str, int] = {}  # request id -> window index
         num_submitted = num_computed = 0
@@ -489,10 +489,12 @@ class _Submitter:
     first leader goes alone; when it finishes, the family's other leaders follow (the shared start is then cached),
     and a group's followers follow its leader. Ready requests go before any new family, while what they share is the
     newest in the prefix cache. What is in flight is kept to about one engine step (max_num_seqs requests,
-    max_num_batched_tokens tokens it will compute), so nothing waits in the engine's queue behind newer requests.
+    max_num_batched_tokens tokens it will compute), so nothing waits in the engine's queue behind newer requests,
+    and to half the KV cache's blocks, a leader counted with its followers' blocks: the finished leaders' blocks then
+    stay cached until their followers have them.
     """
 
-    def __init__(self, windows: list[tuple[list[int], int]], groups: list[list[int]], config):
+    def __init__(self, windows: list[tuple[list[int], int]], groups: list[list[int]], config, num_blocks: int):
         self.windows = windows
         self.pending = deque(_families(windows, groups))  # families not started
         self.ready: deque[int] = deque()  # requests whose leader has finished
@@ -502,6 +504,11 @@ class _Submitter:
         self.in_flight_tokens: dict[int, int] = {}  # window index -> tokens it will compute (an estimate)
         self.num_in_flight_tokens = 0
         self.max_num_seqs, self.max_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        # At most half the KV cache's blocks held by what is in flight: the other half keeps the finished leaders'
+        # blocks until their followers have copied them (each request holds a block at least, however short).
+        self.block_size, self.max_blocks = config.kvcache_block_size, max(num_blocks // 2, 1)
+        self.in_flight_blocks: dict[int, int] = {}
+        self.num_in_flight_blocks = 0
 
     def take(self) -> list[int]:
         """Window indices to submit now, in order."""
@@ -511,14 +518,15 @@ class _Submitter:
                 index = self.ready[0]
                 tokens, start = self.windows[index]
                 # A follower computes its continuation and the context's last token; a leader, at most all of it.
-                if not self._take(index, len(tokens) if index in self.leaders else len(tokens) - start + 1):
+                if not self._take(index, len(tokens) if index in self.leaders else len(tokens) - start + 1,
+                                  self._group_blocks(index)):
                     break
                 self.ready.popleft()
                 taken.append(index)
                 continue
             family = self.pending[0]
             head = family[0][0]
-            if not self._take(head, len(self.windows[head][0])):
+            if not self._take(head, len(self.windows[head][0]), self._group_blocks(head)):
                 break
             self.pending.popleft()
             self.next_leaders[head] = [group[0] for group in family[1:]]
@@ -527,16 +535,26 @@ class _Submitter:
 
     def finished(self, index: int) -> None:
         self.num_in_flight_tokens -= self.in_flight_tokens.pop(index)
+        self.num_in_flight_blocks -= self.in_flight_blocks.pop(index)
         self.ready.extend(self.followers.pop(index, ()))
         self.ready.extend(self.next_leaders.pop(index, ()))
 
-    def _take(self, index: int, cost: int) -> bool:
-        """Count `index` in flight if there is room: about one engine step's requests and computed tokens."""
+    def _group_blocks(self, index: int) -> int:
+        """The blocks `index` holds, and for a leader those its followers will (they come as it finishes: its
+        blocks must still be cached then)."""
+        return sum(-(-len(self.windows[i][0]) // self.block_size) for i in [index, *self.followers.get(index, ())])
+
+    def _take(self, index: int, cost: int, blocks: int) -> bool:
+        """Count `index` in flight if there is room: about one engine step's requests and computed tokens, and half
+        the KV cache's blocks."""
         if self.in_flight_tokens and (len(self.in_flight_tokens) >= self.max_num_seqs
-                                      or self.num_in_flight_tokens + cost > self.max_tokens):
+                                      or self.num_in_flight_tokens + cost > self.max_tokens
+                                      or self.num_in_flight_blocks + blocks > self.max_blocks):
             return False
         self.in_flight_tokens[index] = cost
         self.num_in_flight_tokens += cost
+        self.in_flight_blocks[index] = blocks
+        self.num_in_flight_blocks += blocks
         return True
 
 
@@ -581,12 +599,13 @@ def main(argv: list[str] | None = None) -> None:
     """
     from lm_eval.__main__ import cli_evaluate
 
-    if not logger.handlers:  # lm-eval's CLI shows only its own logger; ours says what the prefix cache saved
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [nanoinfer] %(message)s",
-                                               datefmt="%Y-%m-%d:%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    # lm-eval's CLI shows only its own logger; ours says what the prefix cache saved. For this run only.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [nanoinfer] %(message)s",
+                                           datefmt="%Y-%m-%d:%H:%M:%S"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     try:
@@ -594,6 +613,9 @@ def main(argv: list[str] | None = None) -> None:
     except NanoInferError as e:
         print(f"Error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,13 @@ PARTIAL_CANDIDATES = 4
 
 
 class PartialShare(NamedTuple):
-    """A prefix hit inside a block: its first `num_tokens` rows hold what the new sequence needs there."""
+    """A prefix hit inside a block: its first `num_tokens` rows hold what the new sequence needs there; `covers` says
+    whether the new sequence's tokens also hold every token the block does (it may then take the block: what it
+    writes there from num_tokens on is what the block held)."""
 
     block_id: int
     num_tokens: int
+    covers: bool = False
 
 
 class Block:
@@ -128,8 +131,11 @@ class BlockManager:
         for n in range(most // MIN_SHARED_TOKENS * MIN_SHARED_TOKENS, 0, -MIN_SHARED_TOKENS):
             candidates = self.partial_blocks.get((parent, wanted[:n]))
             if candidates:  # the longest key found: every candidate shares its n tokens at least
-                return max((PartialShare(b, _common_prefix(self.blocks[b].partial_tokens, wanted, n))
-                            for b in reversed(candidates)), key=lambda share: share.num_tokens)  # fmt: skip
+                block_id, num_tokens = max(((b, _common_prefix(self.blocks[b].partial_tokens, wanted, n))
+                                            for b in reversed(candidates)), key=lambda hit: hit[1])  # fmt: skip
+                held = self.blocks[block_id].partial_tokens
+                covers = tuple(token_ids[start : start + len(held)]) == held
+                return PartialShare(block_id, num_tokens, covers)
         return None
 
     def allocate_slots(self, seq, num_new_tokens: int, computed_block_ids: list[int] = (),
@@ -161,9 +167,9 @@ class BlockManager:
             self.num_cache_hits += len(computed_block_ids)
         if share is not None:
             source = self.blocks[share.block_id]
-            if source.ref_count == 0 and source.block_hash is None and share.num_tokens == len(source.partial_tokens):
-                # Nobody holds it and the new owner wants all it holds: take it as it is. The owner writes only past
-                # those rows, so it stays a source for the others.
+            if source.ref_count == 0 and source.block_hash is None and share.covers:
+                # Nobody holds it and the new owner's tokens hold all of its tokens: take it as it is. What the owner
+                # writes there is what the rows held, so it stays a source for the others.
                 del self.free_block_ids[source.block_id]
                 source.ref_count = 1
                 seq.block_table.append(source.block_id)
@@ -227,6 +233,8 @@ class BlockManager:
             for other in [b for b in first if tokens[: len(self.blocks[b].partial_tokens)]
                           == self.blocks[b].partial_tokens]:  # fmt: skip
                 self._forget_partial(self.blocks[other])
+                if self.blocks[other].ref_count == 0 and self.blocks[other].block_hash is None:
+                    self.free_block_ids.move_to_end(other, last=False)  # nothing cached in it now: handed out first
             block.partial_tokens = tokens
             for n in range(MIN_SHARED_TOKENS, filled + 1, MIN_SHARED_TOKENS):
                 key = (parent, tokens[:n])
