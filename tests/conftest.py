@@ -1,6 +1,13 @@
 """Shared fixtures. The default model is built once per machine into the user's cache (as users get it)."""
 
-import pytest
+import os
+
+# Triton's interpreter for the kernel tests (tests/kernels/conftest.py says why): set here, before any test module
+# is imported, since some import triton on their way (sentence-transformers through torch) and triton reads the
+# setting once; on a CUDA machine TRITON_INTERPRET=0 in the environment keeps the compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -590,12 +590,14 @@ def _pooling_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
                                           f"({c.hf_config.architectures[0]}) without an LM head, which makes "
                                           "embeddings, not text. Use `nanoinfer embed` or runner: pooling."))
         return problems
-    if c.pooling_type is not None and c.normalize is not None:
-        return []
-    try:
+    try:  # read whatever is set: a module nanoinfer cannot run is a problem before the weights load
         folder = read_sentence_transformers_folder(c.model)
     except ConfigError as e:
         return e.problems
+    if folder is not None and folder.pooling_type is None and c.pooling_type is None:
+        return [ConfigProblem("pooling_type", None, f"is not set, and the model's sentence-transformers config pools "
+                              f"by {folder.modes}, which nanoinfer does not do (it pools by one of last token, mean "
+                              "or cls). Set --pooling (pooling_type) to one of last, mean, cls.")]
     pooling_type, normalize = (folder.pooling_type, folder.normalize) if folder else ("last", True)
     from_folder = folder is not None
     source = "the model's sentence-transformers config" if from_folder else "the default"

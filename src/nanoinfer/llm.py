@@ -19,7 +19,7 @@ from nanoinfer.engine.engine import LLMEngine, StepStats
 from nanoinfer.engine.sequence import Request, Sequence
 from nanoinfer.errors import ConfigError, ConfigProblem, NanoInferError, RequestError, UnservableRequestError
 from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from nanoinfer.pooling import Pooler, PoolingParams, read_sentence_transformers_folder
+from nanoinfer.pooling import PoolingParams, first_pooled_position, read_sentence_transformers_folder
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import StructuredOutputManager
 from nanoinfer.tokenizer import load_tokenizer
@@ -62,9 +62,9 @@ class LLM:
         self.engine = LLMEngine(config, stop_string_checker=self._check_stop_strings, eos_token_ids=eos_ids)
         self._request_counter = itertools.count()
         self._structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
-        self.pooler = Pooler(config.pooling_type, config.normalize) if config.runner == "pooling" else None
         # sentence-transformers 6 embeds text as a user message through the chat template, for folders it saved so
-        folder = read_sentence_transformers_folder(config.model) if self.pooler is not None else None
+        # (Config has read the folder already: it raises nothing here)
+        folder = read_sentence_transformers_folder(config.model) if config.runner == "pooling" else None
         self.embeds_messages = folder is not None and folder.renders_messages
 
     # ---- the batch API --------------------------------------------------------------------------------
@@ -159,6 +159,10 @@ class LLM:
             UnservableRequestError: an empty prompt (code empty_prompt), or one of max_model_len tokens or more
                 (code prompt_too_long; text too long to fit is refused before tokenizing).
         """
+        if isinstance(prompt_logprobs_start, bool) or not isinstance(prompt_logprobs_start, int) \
+                or prompt_logprobs_start < 0:
+            raise RequestError(f"prompt_logprobs_start must be an integer >= 0, got {prompt_logprobs_start!r}",
+                               code="invalid_sampling_params")
         pooling = self._pooling_params(params)
         params = SamplingParams(max_tokens=0) if pooling is not None else params or SamplingParams()
         if isinstance(prompt, str):
@@ -180,7 +184,7 @@ class LLM:
         request = Request(request_id, token_ids, params, prompt=text, prompt_logprobs_start=prompt_logprobs_start,
                           pooling=pooling)
         if pooling is not None:
-            request.first_pooled_position = self.pooler.first_needed_position(len(token_ids))
+            request.first_pooled_position = first_pooled_position(self.config.pooling_type, len(token_ids))
         if params.structured_outputs is not None:
             request.structured_output = self.structured_outputs.request_for(params.structured_outputs)
         self.engine.add_request(request)

@@ -496,7 +496,8 @@ class _Submitter:
 
     def __init__(self, windows: list[tuple[list[int], int]], groups: list[list[int]], config, num_blocks: int):
         self.windows = windows
-        self.pending = deque(_families(windows, groups))  # families not started
+        # families not started (without the prefix cache nothing is shared: every group on its own)
+        self.pending = deque(_families(windows, groups) if config.enable_prefix_caching else [[g] for g in groups])
         self.ready: deque[int] = deque()  # requests whose leader has finished
         self.followers = {group[0]: group[1:] for group in groups if len(group) > 1}  # a leader -> the rest
         self.next_leaders: dict[int, list[int]] = {}  # a family's first leader -> the family's other leaders

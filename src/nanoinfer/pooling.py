@@ -55,11 +55,12 @@ class PoolingParams:
 class SentenceTransformersFolder:
     """What a sentence-transformers folder says about embedding with it."""
 
-    pooling_type: str
+    pooling_type: str | None  # None: a pooling nanoinfer does not do (max, weighted mean, several): `modes` says
     normalize: bool
     # sentence-transformers 6 renders plain text through the tokenizer's chat template, as a user message, when
     # the Transformer module's modality_config has a "message" modality (what it saves for a model with a template)
     renders_messages: bool = False
+    modes: str = ""  # the folder's own pooling mode names
 
 
 def read_sentence_transformers_folder(model_dir: str | Path) -> SentenceTransformersFolder | None:
@@ -102,17 +103,19 @@ def read_sentence_transformers_folder(model_dir: str | Path) -> SentenceTransfor
     else:
         modes = [k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_") and v]
     ours = [_ST_MODES.get(m) or _ST_SWITCHES.get(f"pooling_mode_{m}") for m in modes]
-    if len(ours) != 1 or ours[0] is None:
-        raise problem(f"pools by {', '.join(map(str, modes)) or 'nothing'}; nanoinfer pools by exactly one of last "
-                      "token, mean or cls. Set --pooling to one of them and remove the sentence-transformers files, "
-                      "or use another model.")
     if config.get("include_prompt") is False:
         raise problem("excludes the prompt from pooling (include_prompt: false), which nanoinfer does not do.")
     transformer_path = root / (modules["Transformer"].get("path") or "") if "Transformer" in modules else root
     bert_config = transformer_path / "sentence_bert_config.json"
     modalities = read(bert_config).get("modality_config") if bert_config.is_file() else None
-    return SentenceTransformersFolder(ours[0], "Normalize" in modules,
-                                      isinstance(modalities, dict) and "message" in modalities)
+    return SentenceTransformersFolder(ours[0] if len(ours) == 1 else None, "Normalize" in modules,
+                                      isinstance(modalities, dict) and "message" in modalities,
+                                      ", ".join(map(str, modes)) or "nothing")
+
+
+def first_pooled_position(pooling_type: str, num_prompt_tokens: int) -> int:
+    """The first prompt position whose hidden state a vector needs: the prefix cache serves those before it."""
+    return num_prompt_tokens - 1 if pooling_type == "last" else 0
 
 
 class Pooler:
@@ -125,8 +128,13 @@ class Pooler:
         self.normalize = normalize
 
     def first_needed_position(self, num_prompt_tokens: int) -> int:
-        """The first prompt position whose hidden state the vector needs: the prefix cache serves those before."""
-        return num_prompt_tokens - 1 if self.pooling_type == "last" else 0
+        return first_pooled_position(self.pooling_type, num_prompt_tokens)
+
+    def rows_needed(self, start: int, end: int, num_prompt_tokens: int) -> tuple[int, int]:
+        """The positions in [start, end) whose hidden states the vector needs, as a range (empty when none)."""
+        if self.pooling_type == "cls":
+            return start, min(end, 1)
+        return max(start, self.first_needed_position(num_prompt_tokens)), end
 
     def add(self, seq, hidden_states: torch.Tensor, start: int) -> None:
         """Rows for positions start .. start + len(hidden_states) - 1 of `seq`'s prompt."""

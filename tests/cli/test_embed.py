@@ -24,8 +24,6 @@ from nanoinfer.embed_batch import encode_embedding, parse_embedding
 from nanoinfer.testing.st_folders import make_st_folder
 from nanoinfer.testing.tiny_models import build_tiny_model
 
-pytest.importorskip("sentence_transformers")
-
 runner = CliRunner()
 ENGINE_ARGS = shlex.split("--device cpu --dtype float32 --max-model-len 256 --cpu-kvcache-space-gib 0.02 --quiet")
 TEXTS = [

@@ -100,6 +100,15 @@ def test_invalid_config_exits_2_with_every_problem(files, tiny_model, no_model_l
     assert not out.exists()
 
 
+def test_a_config_file_asking_for_embeddings_is_refused_before_loading(files, tiny_model, no_model_load):
+    source, out = files
+    config = source.parent / "embed.yaml"
+    config.write_text("runner: pooling\npooling_type: mean\n")
+    result = invoke(source, "-o", out, "--config", config, "--model", tiny_model)
+    assert_refused(result, "runner", "nanoinfer embed")
+    assert not out.exists()
+
+
 def test_bad_sampling_flag_exits_2(files, tiny_model, no_model_load):
     source, out = files
     assert_refused(

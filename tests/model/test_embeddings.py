@@ -8,6 +8,7 @@ the first from the attention mask), and the comparison checks that both tokenize
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -19,8 +20,6 @@ from nanoinfer.errors import ConfigError
 from nanoinfer.pooling import PoolingParams
 from nanoinfer.testing.st_folders import make_st_folder
 from nanoinfer.testing.tiny_models import build_tiny_model
-
-pytest.importorskip("sentence_transformers")
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog.", "Paris", "capital", "cache", "block", "0",
          "1000", "def", "main():", "{\"key\":", "[1,", "2]}", "Once", "upon", "a", "time"]
@@ -140,3 +139,58 @@ def test_a_base_model_checkpoint_only_embeds(model_dir, tmp_path):
     Transformer(str(model_dir)).save(str(tmp_path / "base"))  # LlamaModel: the decoder without its LM head
     with pytest.raises(ConfigError, match="base model .*LlamaModel.* without an LM head"):
         LLM(str(tmp_path / "base"), device="cpu", max_model_len=512, cpu_kvcache_space_gib=0.05)
+
+
+@pytest.mark.parametrize("pooling_type", ["mean", "last", "cls"])
+def test_chunked_prefill_preemption_and_prefix_hits_give_the_same_vectors(model_dir, pooling_type):
+    """Each vector is gathered a chunk at a time (16-token steps), through a preemption by recompute mid-prompt (made
+    by hand: the scheduler preempts only a sequence that grows, and a prompt being embedded finishes first) and
+    prefix-cache hits (a second identical batch): the same vectors as one plain batch, within float32 rounding."""
+    texts = [" ".join(["block cache token"] * 45), " ".join(["Paris capital"] * 70), "Once upon a time"]
+    settings = dict(runner="pooling", pooling_type=pooling_type, device="cpu", dtype="float32", max_model_len=512)
+    expected = np.array([o.outputs.embedding for o in LLM(str(model_dir), **settings).embed(texts)])
+    llm = LLM(str(model_dir), **settings, max_num_batched_tokens=16, max_num_seqs=3)
+    for params in (PoolingParams(), PoolingParams()):
+        ids = [llm.add_request(text, params) for text in texts]
+        outputs = {}
+        for step in itertools.count():
+            if step == 3:  # the first prompt is 48 tokens in: start it over
+                scheduler = llm.engine.scheduler
+                seq = scheduler.running[0]
+                assert 0 < seq.num_computed_tokens < seq.num_tokens
+                scheduler.running.remove(seq)
+                scheduler._preempt(seq)
+            outputs.update((o.request_id, o) for o in llm.step()[0])
+            if not llm.has_unfinished_requests():
+                break
+        got = np.array([outputs[i].outputs.embedding for i in ids])
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert llm.engine.scheduler.num_preemptions >= 1  # the second batch of last-token pooling is done before step 3
+    assert outputs[ids[0]].num_cached_tokens > 0 if pooling_type == "last" else outputs[ids[0]].num_cached_tokens == 0
+
+
+def test_sentence_transformers_folders_nanoinfer_cannot_run_are_refused_before_loading(model_dir, tmp_path,
+                                                                                        monkeypatch):
+    import json
+
+    from nanoinfer.engine import model_runner
+
+    def refuse_loading(*args):
+        pytest.fail("the weights loaded before the refusal")
+
+    monkeypatch.setattr(model_runner, "load_weights", refuse_loading)
+    folder = make_st_folder(model_dir, tmp_path / "max", "mean", True)
+    pooling = folder / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "pooling_mode_mean_tokens": False,
+                                   "pooling_mode_max_tokens": True}))  # fmt: skip
+    settings = dict(runner="pooling", device="cpu", max_model_len=512)
+    with pytest.raises(ConfigError, match="pools by max_tokens.*Set --pooling"):
+        LLM(str(folder), **settings)
+    monkeypatch.undo()
+    assert LLM(str(folder), **settings, pooling_type="mean").config.pooling_type == "mean"  # the flag decides
+    modules = folder / "modules.json"
+    dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
+    modules.write_text(json.dumps([*json.loads(modules.read_text()), dense]))
+    monkeypatch.setattr(model_runner, "load_weights", refuse_loading)
+    with pytest.raises(ConfigError, match="has the module Dense"):  # whatever the flags say
+        LLM(str(folder), **settings, pooling_type="mean", normalize=True)

@@ -140,3 +140,23 @@ def test_max_tokens_zero_without_prompt_logprobs_finishes_without_a_step(model_d
     llm = make_llm(model_dir)
     outs = run(llm, [(prompts(5, [20])[0], SamplingParams(max_tokens=0), 1)])
     assert outs[0].finish_reason == "length" and outs[0].token_ids == [] and outs[0].prompt_logprobs is None
+
+
+def test_a_step_that_fails_before_its_forward_pass_hands_its_copies_to_the_next(model_dir, hf):
+    """Ctrl-C inside a step, after the scheduler shared rows inside a block but before the copy: the next step copies
+    them, so the rows the prompt reads are its own (a lost copy would serve stale rows, silently)."""
+    llm = make_llm(model_dir)
+    context, *tails = prompts(6, [120, 4, 7])
+    run(llm, [(context + tails[0], SCORE, len(context))])
+    runner = llm.engine.model_runner
+    execute = runner.execute
+    runner.execute = lambda out: (_ for _ in ()).throw(KeyboardInterrupt())
+    llm.add_request(context + tails[1], SCORE, prompt_logprobs_start=len(context))
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    runner.execute = execute
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += llm.step()[0]
+    assert outs[0].num_cached_tokens == len(context) - 1
+    check_prompt_logprobs(hf, context + tails[1], outs[0].prompt_logprobs, start=len(context))

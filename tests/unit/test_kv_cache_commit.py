@@ -38,8 +38,10 @@ def test_a_run_commits_the_blocks_its_sequences_hold_and_no_others(llm):
     prompts = [[1, 2, 3] * 100, [4, 5] * 20]  # 300 tokens + 8 outputs: 2 blocks; 40 + 8: 1 block
     first = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert int(runner.kv_cache.committed.sum()) == 3 < runner.num_blocks
-    # A second run takes the freed blocks again (the prompt's full first block from the prefix cache, the
-    # others from the free list's head): nothing more to commit, and the same tokens.
+    # A second run shares what the first left: the long prompt's full first block through its hash, and the rows
+    # of both prompts' partly filled blocks, copied into two blocks committed now (the blocks they come from hold
+    # the first run's outputs past them, which the copies keep findable). The same tokens.
     again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    assert int(runner.kv_cache.committed.sum()) == 3
+    assert [o.num_cached_tokens for o in again] == [299, 39]
+    assert int(runner.kv_cache.committed.sum()) == 5

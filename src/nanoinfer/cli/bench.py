@@ -205,7 +205,8 @@ def _build_config(engine: EngineOptions):
             notes.append(f"{model_dir} has no weights: using random {weights_dtype} weights with its config.json")
             model_dir = bench_lib.random_weight_model(model_dir, weights_dtype)
         engine = EngineOptions(engine.config_path, {**engine.overrides, "model": str(model_dir)})
-    return engine.build(defaults={"cpu_kernels": "wait"}), notes  # bench measures the kernels, not their absence
+    # cpu_kernels wait: bench measures the kernels, not their absence
+    return engine.build(defaults={"cpu_kernels": "wait"}, runner="generate"), notes
 
 
 def _wants_cuda(device: str) -> bool:

@@ -96,12 +96,19 @@ class EngineOptions:
 
         return merge_settings(self.config_path, self.overrides, defaults)
 
-    def build(self, defaults: dict | None = None):
+    def build(self, defaults: dict | None = None, runner: str | None = None):
         """The Config: flag > YAML > the command's `defaults` > Config's, the model argument resolved first
-        (config_file.build_config)."""
+        (config_file.build_config). `runner`: what the command runs (generate: text); a YAML file asking for the other
+        is a ConfigError before any model loads."""
         from nanoinfer.config_file import build_config
+        from nanoinfer.errors import ConfigError, ConfigProblem
 
-        return build_config(self.config_path, self.overrides, defaults)
+        config = build_config(self.config_path, self.overrides, defaults)
+        if runner is not None and config.runner != runner:
+            raise ConfigError([ConfigProblem("runner", config.runner, f"must be {runner} for this command (it makes "
+                                             "text; `nanoinfer embed` makes embeddings). Remove runner from the "
+                                             "config file.")])  # fmt: skip
+        return config
 
 
 def engine_options(fields: Iterable[str] | None = None, *, exclude: Iterable[str] = (), config_option: bool = True):

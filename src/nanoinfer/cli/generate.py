@@ -317,7 +317,7 @@ def prepare_job(
         raise RequestError(f"the sampling flags are invalid: {e.message}") from None
     # Counted before the Config is built: a large job's default for cpu_kernels depends on it.
     sha256, num_lines = batch.scan_input(input_path) if input_path is not None else (None, None)
-    config = engine.build(defaults=engine_defaults(num_lines, sampling_defaults["max_tokens"]))
+    config = engine.build(defaults=engine_defaults(num_lines, sampling_defaults["max_tokens"]), runner="generate")
     return make_job(input_path, output_path, config, sampling_defaults, resume, overwrite, max_in_flight,
                     sha256, num_lines)
 

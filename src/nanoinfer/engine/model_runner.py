@@ -55,6 +55,7 @@ class HiddenRows(NamedTuple):
     offset: int
     count: int
     position: int
+    ends_prompt: bool = False  # the step reaches the end of the sequence's prompt (an embedding is then complete)
 
 
 class ModelInputs(NamedTuple):
@@ -169,6 +170,8 @@ class ModelRunner:
         activation peak, and the logits of every row a step can sample. Needs a cache of at least
         max_num_batched_tokens tokens."""
         num_seqs = self.warmup_batch()
+        if self.pooler is not None:
+            return  # embeddings compute no logits
         rows = max(max_num_sampled_rows(self.config), PROMPT_LOGPROBS_CHUNK)
         if rows > num_seqs:
             # Speculation samples more rows than sequences, and prompt logprobs take a chunk of rows at a time:
@@ -227,8 +230,9 @@ class ModelRunner:
             )
         for run in inputs.pooled_rows:
             seq = run.seq
-            self.pooler.add(seq, rows[run.offset : run.offset + run.count], run.position)
-            if run.position + run.count == seq.num_tokens:
+            if run.count:
+                self.pooler.add(seq, rows[run.offset : run.offset + run.count], run.position)
+            if run.ends_prompt:
                 seq.embedding = self.pooler.finish(seq, seq.request.pooling)
 
     @torch.inference_mode()
@@ -315,11 +319,13 @@ class ModelRunner:
                     first, stop = max(start, len(seq.request.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)
                     runs = prompt_rows
                 else:
-                    first, stop = max(start, seq.request.first_pooled_position), end
+                    first, stop = self.pooler.rows_needed(start, end, seq.num_prompt_tokens)
                     runs = pooled_rows
-                if first < stop:
-                    runs.append(HiddenRows(seq, len(hidden_indices), stop - first, first))
-                    hidden_indices += range(row0 + first, row0 + stop)
+                ends_prompt = end == seq.num_prompt_tokens and seq.request.pooling is not None
+                if first < stop or ends_prompt:
+                    count = max(stop - first, 0)
+                    runs.append(HiddenRows(seq, len(hidden_indices), count, first, ends_prompt))
+                    hidden_indices += range(row0 + first, row0 + first + count)
             if end == seq.num_tokens and not seq.is_prefill_only:
                 sample_rows.append(len(hidden_indices))
                 hidden_indices.append(len(input_ids) - 1)

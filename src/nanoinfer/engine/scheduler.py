@@ -63,6 +63,7 @@ class Scheduler:
         self.num_accepted_tokens = 0
         self._finished_at_admission: list[Request] = []
         self._num_unfinished_requests = 0
+        self._unapplied_copies: list[tuple[int, int, int]] = []  # KV rows shared in a step not yet updated
 
     # ---- admission -------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -133,7 +134,11 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
-        out.kv_block_copies, bm.pending_copies = bm.pending_copies, []
+        # Copies leave the block manager with this step, and the scheduler keeps them until update(): a step that
+        # raised before its forward pass (Ctrl-C) hands them to the next, or the shared rows would never be there.
+        self._unapplied_copies += bm.pending_copies
+        bm.pending_copies = []
+        out.kv_block_copies = list(self._unapplied_copies)
 
         # Last, proposed tokens, from what the budget has left: speculation never delays an admission. Not
         # after a preemption: the cache is short.
@@ -212,6 +217,7 @@ class Scheduler:
         Returns the requests that finished (all their sequences done)."""
         finished: list[Request] = self._finished_at_admission
         self._finished_at_admission = []
+        self._unapplied_copies = []  # the step's forward pass made them
         for seq, num_new in out.scheduled:
             token_ids = sampled.get(seq.seq_id)
             draft = seq.spec_token_ids
@@ -292,6 +298,7 @@ class Scheduler:
     def abort_all(self, error: str) -> list[Request]:
         """Finish everything still queued or running with an error (used on shutdown)."""
         requests: dict[str, Request] = {}
+        self._unapplied_copies = []
         for seq in list(self.running) + list(self.waiting):
             self.block_manager.free(seq)
             self._finish(seq, "error", error=error)
