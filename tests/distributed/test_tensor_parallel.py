@@ -157,6 +157,15 @@ def test_prompt_logprobs_under_tp2_equal_tp1_with_shared_context_rows(model_dirs
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-5
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
     assert [o.num_cached_tokens for o in results[1][1:]] == [len(context) - 1] * 3
+    # Every logprob of long prompts beside generated tokens: more prompt rows than one chunk of logits (256), read
+    # chunk by chunk on rank 0 while the workers' all-gathers pair with its own.
+    batch = [(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1), 1)
+             for p in prompts[-3:]]  # fmt: skip
+    want, got = run_all(single, batch), run_all(sharded, batch)
+    assert sum(len(p) - 1 for p, _, _ in batch) > 256
+    for a, b in zip(want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])) < 1e-5
 
 
 def test_embeddings_under_tp2_equal_tp1(model_dirs, sharded_llms):

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from nanoinfer.distributed import set_tensor_parallel
 from nanoinfer.engine.model_runner import ModelRunner, group_by_sequence
+from nanoinfer.engine.sampler import prompt_logprobs
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.tp_worker import WorkerArgs, forward_shard, pack_step, recv, send, worker_main
 from nanoinfer.errors import NanoInferError
@@ -144,13 +145,17 @@ class TensorParallelExecutor:
         sample_seqs = inputs.sample_seqs
         self.runner.sampler.prepare(sample_seqs, self.runner.config.hf_config.vocab_size)
         # The vocabulary-parallel LM head is a collective, so every rank computes the logits of every row read
-        # (prompt logprobs' rows too) in the one step; an embedding step reads rank 0's hidden states instead.
-        with_logits = bool(sample_seqs or inputs.prompt_rows)
-        rows = self._forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_indices, with_logits)
-        self.runner.read_prompt_rows(inputs, rows, lambda logits: logits)
+        # (prompt logprobs' rows too), a chunk at a time; an embedding step reads rank 0's hidden states instead.
+        args = inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_indices
+        if inputs.prompt_rows:
+            logits = self._forward(*args, True, consume=_PromptRowsReader(inputs))
+        else:
+            rows = self._forward(*args, bool(sample_seqs))
+            if inputs.pooled_rows:
+                self.runner.read_prompt_rows(inputs, rows, None)
+            logits = rows
         if not sample_seqs:
             return {}
-        logits = rows if inputs.sample_rows is None else rows[inputs.sample_rows]
         return group_by_sequence(sample_seqs, self.runner.sampler(logits, sample_seqs))
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -233,13 +238,16 @@ class TensorParallelExecutor:
                 self.close()
                 raise NanoInferError(failure)
 
-    def _forward(self, input_ids, positions, metadata, sample_indices, with_logits: bool):
+    def _forward(self, input_ids, positions, metadata, sample_indices, with_logits: bool, consume=None):
+        """Rank 0's forward_shard (hidden states, the logits, or the logits chunk by chunk into `consume`, whose
+        sampled rows it returns), with every worker running its own."""
         self._check_usable()
         state = self._state
         state.step_id += 1
         try:
             self._send_all(pack_step(input_ids, positions, metadata, sample_indices, with_logits))
-            return forward_shard(self.runner, input_ids, positions, metadata, sample_indices, with_logits)
+            result = forward_shard(self.runner, input_ids, positions, metadata, sample_indices, with_logits, consume)
+            return consume.sampled() if consume is not None else result
         except BaseException as e:
             # A collective or a pipe failing means a worker is probably dead; give its exit a moment to show.
             failure = self._worker_failure(wait_s=3.0 if isinstance(e, (RuntimeError, OSError)) else 0.0)
@@ -381,6 +389,32 @@ def _close_at_exit(ref: weakref.ref) -> None:
     if executor is not None:
         executor.close()
 
+
+
+class _PromptRowsReader:
+    """forward_shard's consumer on rank 0 for a step with prompt logprobs: each chunk of logits gives the prompt rows
+    in it their logprobs at once, and its sampled rows are kept for the sampler."""
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self.sample_rows = inputs.sample_rows.tolist() if inputs.sample_rows is not None else []
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, first: int, logits: torch.Tensor) -> None:
+        last = first + logits.shape[0]
+        for run in self.inputs.prompt_rows:
+            lo, hi = max(run.offset, first), min(run.offset + run.count, last)
+            if lo < hi:
+                seq, position = run.seq, run.position + lo - run.offset
+                targets = seq.token_ids[position + 1 : position + 1 + hi - lo]
+                seq.request.prompt_logprobs += prompt_logprobs(logits[lo - first : hi - first], targets,
+                                                               seq.params.prompt_logprobs, lambda rows: rows)
+        rows = [r - first for r in self.sample_rows if first <= r < last]
+        if rows:
+            self.kept.append(logits[rows])
+
+    def sampled(self) -> torch.Tensor | None:
+        return torch.cat(self.kept) if self.kept else None
 
 
 def make_executor(config, num_blocks: int, num_state_slots: int = 0):
