@@ -91,21 +91,16 @@ def test_existing_output_needs_resume_or_overwrite(files, tiny_model, no_model_l
     assert out.read_text() == "precious\n"
 
 
-def test_invalid_config_exits_2_with_every_problem(files, tiny_model, no_model_load):
+@pytest.mark.parametrize("yaml, words", [
+    ("max_num_seqs: 0\ngpu_memory_utilisation: 0.5\n", ("max_num_seqs", "gpu_memory_utilisation")),  # every one
+    ("runner: pooling\npooling_type: mean\n", ("runner", "nanoinfer embed")),  # an embedding config
+])  # fmt: skip
+def test_invalid_config_exits_2_with_every_problem(files, tiny_model, no_model_load, yaml, words):
     source, out = files
     config = source.parent / "engine.yaml"
-    config.write_text("max_num_seqs: 0\ngpu_memory_utilisation: 0.5\n")
+    config.write_text(yaml)
     result = invoke(source, "-o", out, "--config", config, "--model", tiny_model)
-    assert_refused(result, "max_num_seqs", "gpu_memory_utilisation")
-    assert not out.exists()
-
-
-def test_a_config_file_asking_for_embeddings_is_refused_before_loading(files, tiny_model, no_model_load):
-    source, out = files
-    config = source.parent / "embed.yaml"
-    config.write_text("runner: pooling\npooling_type: mean\n")
-    result = invoke(source, "-o", out, "--config", config, "--model", tiny_model)
-    assert_refused(result, "runner", "nanoinfer embed")
+    assert_refused(result, *words)
     assert not out.exists()
 
 
