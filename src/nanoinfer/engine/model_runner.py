@@ -69,6 +69,39 @@ class ModelInputs(NamedTuple):
     pooled_rows: list[HiddenRows]  # rows an embedding pools
 
 
+def logits_in_chunks(model, hidden_states: torch.Tensor, consume) -> None:
+    """The LM head over `hidden_states` PROMPT_LOGPROBS_CHUNK rows at a time, each chunk's full-vocabulary logits
+    handed to consume(first row, logits) as it comes: a step's prompt rows never hold all their logits at once."""
+    for start in range(0, hidden_states.shape[0], PROMPT_LOGPROBS_CHUNK):
+        consume(start, model.compute_logits(hidden_states[start : start + PROMPT_LOGPROBS_CHUNK]))
+
+
+class PromptRowsReader:
+    """logits_in_chunks' consumer for a step with prompt logprobs: the prompt rows in each chunk get their logprobs
+    at once, and the sampled rows' logits are kept for the sampler (sampled())."""
+
+    def __init__(self, inputs: ModelInputs):
+        self.inputs = inputs
+        self.sample_rows = inputs.sample_rows.tolist() if inputs.sample_rows is not None else []
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, first: int, logits: torch.Tensor) -> None:
+        last = first + logits.shape[0]
+        for run in self.inputs.prompt_rows:
+            lo, hi = max(run.offset, first), min(run.offset + run.count, last)
+            if lo < hi:
+                seq, position = run.seq, run.position + lo - run.offset
+                targets = seq.token_ids[position + 1 : position + 1 + hi - lo]
+                seq.request.prompt_logprobs += prompt_logprobs(logits[lo - first : hi - first], targets,
+                                                               seq.params.prompt_logprobs)  # fmt: skip
+        rows = [r - first for r in self.sample_rows if first <= r < last]
+        if rows:
+            self.kept.append(logits[rows])
+
+    def sampled(self) -> torch.Tensor | None:
+        return torch.cat(self.kept) if self.kept else None
+
+
 def kv_cache_dtype_of(config) -> torch.dtype:
     """The KV cache's torch dtype (a resolved Config's kv_cache_dtype names it: never auto or fp8)."""
     return TORCH_KV_CACHE_DTYPES[config.kv_cache_dtype]
@@ -208,7 +241,11 @@ class ModelRunner:
         sample_seqs = inputs.sample_seqs
         self.sampler.prepare(sample_seqs, self.config.hf_config.vocab_size)  # grammar bitmasks, during forward
         hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_indices)
-        self.read_prompt_rows(inputs, hidden_states, self.model.compute_logits)
+        self.read_pooled_rows(inputs, hidden_states)
+        if inputs.prompt_rows:  # every row's logits, a chunk at a time: the sampled ones among them
+            reader = PromptRowsReader(inputs)
+            logits_in_chunks(self.model, hidden_states, reader)
+            return group_by_sequence(sample_seqs, self.sampler(reader.sampled(), sample_seqs)) if sample_seqs else {}
         if not sample_seqs:
             return {}
         if inputs.sample_rows is not None:
@@ -219,19 +256,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states)
         return group_by_sequence(sample_seqs, self.sampler(logits, sample_seqs))
 
-    def read_prompt_rows(self, inputs: ModelInputs, rows: torch.Tensor, to_logits) -> None:
-        """Give the step's prompt rows to their sequences: logprobs (`to_logits` turns rows into logits; rows may be
-        logits already) and embeddings (rows are then hidden states)."""
-        for run in inputs.prompt_rows:
-            seq = run.seq
-            targets = seq.token_ids[run.position + 1 : run.position + 1 + run.count]
-            seq.request.prompt_logprobs += prompt_logprobs(
-                rows[run.offset : run.offset + run.count], targets, seq.params.prompt_logprobs, to_logits
-            )
+    def read_pooled_rows(self, inputs: ModelInputs, hidden_states: torch.Tensor) -> None:
+        """Give the step's pooled rows to their sequences' embeddings (complete at the end of a prompt)."""
         for run in inputs.pooled_rows:
             seq = run.seq
             if run.count:
-                self.pooler.add(seq, rows[run.offset : run.offset + run.count], run.position)
+                self.pooler.add(seq, hidden_states[run.offset : run.offset + run.count], run.position)
             if run.ends_prompt:
                 seq.embedding = self.pooler.finish(seq, seq.request.pooling)
 

@@ -120,19 +120,16 @@ def _logprob(logits: torch.Tensor, token_id: int, num_top: int) -> Logprob:
     return Logprob(token_id, float(logprobs[token_id]), top)
 
 
-def prompt_logprobs(rows: torch.Tensor, targets: list[int], num_top: int, to_logits) -> list[Logprob]:
-    """One Logprob a row: the log-softmax of `to_logits(row)` at the target token (the next prompt token), with the
-    num_top best alternatives. Raw logits, as vLLM's prompt logprobs: no penalty or temperature applies to a prompt."""
-    out: list[Logprob] = []
-    for i in range(0, len(targets), PROMPT_LOGPROBS_CHUNK):
-        logprobs = torch.log_softmax(to_logits(rows[i : i + PROMPT_LOGPROBS_CHUNK]).float(), dim=-1)
-        chunk = targets[i : i + PROMPT_LOGPROBS_CHUNK]
-        ids = torch.tensor(chunk, dtype=torch.long, device=logprobs.device).unsqueeze(1)
-        own = logprobs.gather(1, ids).squeeze(1).tolist()
-        if num_top > 0:
-            values, top_ids = torch.topk(logprobs, num_top, dim=-1)
-            tops = [list(zip(t, v)) for t, v in zip(top_ids.tolist(), values.tolist())]
-        else:
-            tops = [[] for _ in chunk]
-        out += [Logprob(t, v, top) for t, v, top in zip(chunk, own, tops)]
-    return out
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> list[Logprob]:
+    """One Logprob a row of `logits` (a chunk of at most PROMPT_LOGPROBS_CHUNK rows): its log-softmax at the target
+    token (the next prompt token), with the num_top best alternatives. Raw logits, as vLLM's prompt logprobs: no
+    penalty or temperature applies to a prompt."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(targets, dtype=torch.long, device=logprobs.device).unsqueeze(1)
+    own = logprobs.gather(1, ids).squeeze(1).tolist()
+    if num_top > 0:
+        values, top_ids = torch.topk(logprobs, num_top, dim=-1)
+        tops = [list(zip(t, v)) for t, v in zip(top_ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in targets]
+    return [Logprob(t, v, top) for t, v, top in zip(targets, own, tops)]

@@ -26,8 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoinfer.distributed import set_tensor_parallel
-from nanoinfer.engine.model_runner import ModelRunner, group_by_sequence
-from nanoinfer.engine.sampler import prompt_logprobs
+from nanoinfer.engine.model_runner import ModelRunner, PromptRowsReader, group_by_sequence
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.tp_worker import WorkerArgs, forward_shard, pack_step, recv, send, worker_main
 from nanoinfer.errors import NanoInferError
@@ -148,11 +147,11 @@ class TensorParallelExecutor:
         # (prompt logprobs' rows too), a chunk at a time; an embedding step reads rank 0's hidden states instead.
         args = inputs.input_ids, inputs.positions, inputs.metadata, inputs.hidden_indices
         if inputs.prompt_rows:
-            logits = self._forward(*args, True, consume=_PromptRowsReader(inputs))
+            logits = self._forward(*args, True, consume=PromptRowsReader(inputs))
         else:
             rows = self._forward(*args, bool(sample_seqs))
             if inputs.pooled_rows:
-                self.runner.read_prompt_rows(inputs, rows, None)
+                self.runner.read_pooled_rows(inputs, rows)
             logits = rows
         if not sample_seqs:
             return {}
@@ -389,32 +388,6 @@ def _close_at_exit(ref: weakref.ref) -> None:
     if executor is not None:
         executor.close()
 
-
-
-class _PromptRowsReader:
-    """forward_shard's consumer on rank 0 for a step with prompt logprobs: each chunk of logits gives the prompt rows
-    in it their logprobs at once, and its sampled rows are kept for the sampler."""
-
-    def __init__(self, inputs):
-        self.inputs = inputs
-        self.sample_rows = inputs.sample_rows.tolist() if inputs.sample_rows is not None else []
-        self.kept: list[torch.Tensor] = []
-
-    def __call__(self, first: int, logits: torch.Tensor) -> None:
-        last = first + logits.shape[0]
-        for run in self.inputs.prompt_rows:
-            lo, hi = max(run.offset, first), min(run.offset + run.count, last)
-            if lo < hi:
-                seq, position = run.seq, run.position + lo - run.offset
-                targets = seq.token_ids[position + 1 : position + 1 + hi - lo]
-                seq.request.prompt_logprobs += prompt_logprobs(logits[lo - first : hi - first], targets,
-                                                               seq.params.prompt_logprobs, lambda rows: rows)
-        rows = [r - first for r in self.sample_rows if first <= r < last]
-        if rows:
-            self.kept.append(logits[rows])
-
-    def sampled(self) -> torch.Tensor | None:
-        return torch.cat(self.kept) if self.kept else None
 
 
 def make_executor(config, num_blocks: int, num_state_slots: int = 0):

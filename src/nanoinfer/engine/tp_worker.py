@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.distributed import set_tensor_parallel
-from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.sampler import PROMPT_LOGPROBS_CHUNK
+from nanoinfer.engine.model_runner import ModelRunner, logits_in_chunks
 from nanoinfer.platforms import select_platform
 
 PARENT_POLL_S = 0.5
@@ -87,21 +86,18 @@ def _from_wire(value, device: torch.device):
 def forward_shard(runner, input_ids, positions, metadata, sample_indices, with_logits: bool, consume=None):
     """This rank's part of one step; every rank calls it with the same inputs (the collectives pair up).
 
-    With logits, the vocabulary-parallel LM head runs PROMPT_LOGPROBS_CHUNK rows at a time on every rank (the
-    chunks depend on the row count alone, so their all-gathers pair up too), and each chunk of full-vocabulary
-    logits goes to consume(first row, logits) as it comes: a step's prompt rows never hold all their logits at
-    once. Without `consume` (rank 0's plain steps) they are joined."""
+    With logits, the vocabulary-parallel LM head runs in logits_in_chunks' chunks on every rank (they depend on the
+    row count alone, so their all-gathers pair up too), each into consume(first row, logits). Without `consume`
+    (rank 0's plain steps) the chunks are joined."""
     hidden_states = runner.run_model(input_ids, positions, metadata, sample_indices)
     if not with_logits:
         return hidden_states  # the same on every rank after the last all-reduce: rank 0 pools its own
-    num_rows = hidden_states.shape[0]
-    if num_rows <= PROMPT_LOGPROBS_CHUNK and consume is None:
-        return runner.model.compute_logits(hidden_states)
+    if consume is not None:
+        logits_in_chunks(runner.model, hidden_states, consume)
+        return None
     parts = []
-    for start in range(0, num_rows, PROMPT_LOGPROBS_CHUNK):
-        logits = runner.model.compute_logits(hidden_states[start : start + PROMPT_LOGPROBS_CHUNK])
-        parts.append(consume(start, logits) if consume is not None else logits)
-    return None if consume is not None else torch.cat(parts)
+    logits_in_chunks(runner.model, hidden_states, lambda start, logits: parts.append(logits))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # ---- the process ----------------------------------------------------------------------------------------
