@@ -39,6 +39,8 @@ logger = logging.getLogger("nanoinfer")
 MODEL_NAME = "nanoinfer"
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's and vLLM's default
 OWN_ARGS = ("pretrained", "max_length", "max_gen_toks", "add_bos_token", "prefix_token_id", "tokenizer")
+# gen_kwargs naming the most tokens to generate, in the order lm-eval's normalize_gen_kwargs reads them.
+MAX_TOKENS_KWARGS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 # gen_kwargs of a task that map onto SamplingParams fields of the same name.
 SAMPLING_KWARGS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -290,10 +292,8 @@ class NanoInferLM(TemplateLM):
         until = [until] if isinstance(until, str) else list(until or [])
         if eos and eos not in until:
             until.append(eos)
-        max_tokens = next((kwargs.pop(k) for k in ("max_gen_toks", "max_new_tokens", "max_tokens",
-                                                    "max_completion_tokens") if kwargs.get(k) is not None), None)
-        for key in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens"):
-            kwargs.pop(key, None)
+        given = [kwargs.pop(key, None) for key in MAX_TOKENS_KWARGS]
+        max_tokens = next((value for value in given if value is not None), None)  # the first alias given
         temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
         do_sample = kwargs.pop("do_sample", None)
         if do_sample is None:
