@@ -127,14 +127,11 @@ class Pooler:
         self.pooling_type = pooling_type
         self.normalize = normalize
 
-    def first_needed_position(self, num_prompt_tokens: int) -> int:
-        return first_pooled_position(self.pooling_type, num_prompt_tokens)
-
     def rows_needed(self, start: int, end: int, num_prompt_tokens: int) -> tuple[int, int]:
         """The positions in [start, end) whose hidden states the vector needs, as a range (empty when none)."""
         if self.pooling_type == "cls":
             return start, min(end, 1)
-        return max(start, self.first_needed_position(num_prompt_tokens)), end
+        return max(start, first_pooled_position(self.pooling_type, num_prompt_tokens)), end
 
     def add(self, seq, hidden_states: torch.Tensor, start: int) -> None:
         """Rows for positions start .. start + len(hidden_states) - 1 of `seq`'s prompt."""

@@ -225,28 +225,36 @@ class BlockManager:
                 continue  # another sequence still holds it: the last to free it registers it
             if block.partial_tokens is not None:
                 self._forget_partial(block)
-            tokens = tuple(seq.token_ids[j * bs : j * bs + filled])
-            # A block whose rows hold a prefix of another's serves nothing the other does not: keep the longer.
-            first = self.partial_blocks.get((parent, tokens[:MIN_SHARED_TOKENS]), [])
-            if any(self.blocks[other].partial_tokens[:filled] == tokens for other in first):
-                continue
-            for other in [b for b in first if tokens[: len(self.blocks[b].partial_tokens)]
-                          == self.blocks[b].partial_tokens]:  # fmt: skip
-                self._forget_partial(self.blocks[other])
-                if self.blocks[other].ref_count == 0 and self.blocks[other].block_hash is None:
-                    self.free_block_ids.move_to_end(other, last=False)  # nothing cached in it now: handed out first
-            block.partial_tokens = tokens
-            for n in range(MIN_SHARED_TOKENS, filled + 1, MIN_SHARED_TOKENS):
-                key = (parent, tokens[:n])
-                block.partial_keys.append(key)
-                candidates = self.partial_blocks.setdefault(key, [])
-                candidates.append(block_id)
-                if len(candidates) > PARTIAL_CANDIDATES:  # the oldest stays findable by its longer keys
-                    oldest = self.blocks[candidates[0]]
-                    oldest.partial_keys.remove(key)
-                    self._unlist(key, oldest.block_id)
-                    if not oldest.partial_keys:
-                        oldest.partial_tokens = None
+            self._register_partial(block, parent, tuple(seq.token_ids[j * bs : j * bs + filled]))
+
+    def _register_partial(self, block: Block, parent: int | None, tokens: tuple[int, ...]) -> None:
+        """Make `block`, whose leading rows hold `tokens` after `parent`'s block, findable under a key every
+        MIN_SHARED_TOKENS tokens, at most PARTIAL_CANDIDATES blocks a key."""
+        # A block whose rows hold a prefix of another's serves nothing the other does not: keep the longer.
+        first = self.partial_blocks.get((parent, tokens[:MIN_SHARED_TOKENS]), [])
+        if any(self.blocks[other].partial_tokens[: len(tokens)] == tokens for other in first):
+            return
+        for other in [b for b in first if tokens[: len(self.blocks[b].partial_tokens)]
+                      == self.blocks[b].partial_tokens]:  # fmt: skip
+            self._forget_partial(self.blocks[other])
+            self._hand_out_first_if_uncached(self.blocks[other])
+        block.partial_tokens = tokens
+        for n in range(MIN_SHARED_TOKENS, len(tokens) + 1, MIN_SHARED_TOKENS):
+            key = (parent, tokens[:n])
+            block.partial_keys.append(key)
+            candidates = self.partial_blocks.setdefault(key, [])
+            candidates.append(block.block_id)
+            if len(candidates) > PARTIAL_CANDIDATES:  # the oldest stays findable by its longer keys
+                oldest = self.blocks[candidates[0]]
+                oldest.partial_keys.remove(key)
+                self._unlist(key, oldest.block_id)
+                if not oldest.partial_keys:
+                    oldest.partial_tokens = None
+
+    def _hand_out_first_if_uncached(self, block: Block) -> None:
+        """A free block with nothing cached in it goes to the free list's head: handed out before cached ones."""
+        if block.ref_count == 0 and block.block_hash is None and block.partial_tokens is None:
+            self.free_block_ids.move_to_end(block.block_id, last=False)
 
     def cache_full_blocks(self, seq) -> None:
         """Register the sequence's newly completed (computed and full) blocks in the prefix cache."""
@@ -275,10 +283,8 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         if self.enable_prefix_caching and seq.block_table:
             self._remember_blocks(seq)
-        for block_id in reversed(seq.block_table):  # nothing cached in them: handed out first
-            block = self.blocks[block_id]
-            if block.ref_count == 0 and block.block_hash is None and block.partial_tokens is None:
-                self.free_block_ids.move_to_end(block_id, last=False)
+        for block_id in reversed(seq.block_table):
+            self._hand_out_first_if_uncached(self.blocks[block_id])
         seq.block_table = []
         seq.num_hashed_blocks = 0
         if seq.state_slot >= 0:
