@@ -3,7 +3,7 @@
 from nanoinfer.config import Config
 from nanoinfer.errors import NanoInferError
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "Config", "NanoInferError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "Config", "NanoInferError"]
 __version__ = "0.1.0"
 
 
@@ -17,4 +17,8 @@ def __getattr__(name):
         from nanoinfer import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "LoRARequest":
+        from nanoinfer.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

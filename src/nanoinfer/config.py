@@ -99,6 +99,15 @@ class Config:
             else last (the token that has seen the whole prompt, as decoder embedding models pool).
         normalize: L2-normalize embeddings. None: whether the sentence-transformers folder has a Normalize module,
             else True.
+        enable_lora: run PEFT LoRA adapters, a different one per request if asked, many in one batch (vLLM's).
+            Filled in true when `loras` names any.
+        max_loras: most adapters one step runs (each a slot of A and B weights in every adapted layer). 0: as many as
+            `loras` names, at least 1 and at most 8.
+        max_lora_rank: the largest adapter rank accepted (1..512); every slot is this wide.
+        max_cpu_loras: most adapters kept read in host memory (least recently used dropped). 0: max_loras or the
+            number `loras` names, the larger; at least max_loras.
+        loras: adapter name -> PEFT folder, for `generate` jobs (a line's "lora", an OpenAI line's `body.model`);
+            each folder is checked against the model (rank, targets, shapes) with the rest of the config.
 
     Raises:
         ConfigError: listing every invalid field at once (field, value, rule and fix).
@@ -133,6 +142,11 @@ class Config:
     runner: str = "generate"
     pooling_type: str | None = None
     normalize: bool | None = None
+    enable_lora: bool = False
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    loras: dict = field(default_factory=dict)
     # What __post_init__ filled in or clamped: (field, value, reason). Not a user setting; init=False so
     # dataclasses.replace() starts a fresh list instead of copying the old notes.
     notes: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -191,7 +205,7 @@ class Config:
             self.notes.append(("max_model_len", max_pos, reason))
             self.max_model_len = max_pos
         return (_model_problems(self, bad) + _kvcache_capacity_problem(self, bad) + _hybrid_model_problems(self, bad)
-                + _pooling_problems(self, bad))
+                + _pooling_problems(self, bad) + _lora_problems(self, bad))
 
     def _resolve_device(self, bad: set[str]) -> list[ConfigProblem]:
         """Fill in device/dtype/attention_backend 'auto' and check they work together on this machine."""
@@ -343,7 +357,8 @@ def settable_fields() -> list[str]:
 
 
 def field_default(name: str):
-    return Config.__dataclass_fields__[name].default
+    f = Config.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
@@ -472,6 +487,7 @@ def _range_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
     if "cpu_kernels" not in bad and c.cpu_kernels not in CPU_KERNELS:
         problems.append(_choice_problem("cpu_kernels", c.cpu_kernels, CPU_KERNELS))
     check("eos", lambda v: v >= -1, "is filled in from the tokenizer; leave it at -1.")
+    problems += _lora_ranges(c, bad)
     if c.runner not in RUNNERS:
         problems.append(_choice_problem("runner", c.runner, RUNNERS))
         bad.add("runner")
@@ -574,6 +590,66 @@ def _hybrid_model_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
             "rejected speculated tokens cannot be taken back out of. Set num_speculative_tokens: 0.",
         )]  # fmt: skip
     return []
+
+
+MAX_AUTO_LORAS = 8  # max_loras 0 resolves to the adapters `loras` names, up to this many slots
+MAX_LORA_RANK = 512
+
+
+def _lora_ranges(c: Config, bad: set[str]) -> list[ConfigProblem]:
+    """LoRA fields that need no model: ranges, the loras mapping's shape; fills enable_lora, max_loras and
+    max_cpu_loras in."""
+    problems = []
+    loras = c.loras if isinstance(c.loras, dict) else None
+    if loras is None:
+        problems.append(ConfigProblem("loras", c.loras, "must map adapter names to PEFT folders, e.g. `loras: "
+                                      "{support: ./adapters/support}` (or --lora support=./adapters/support)."))
+        bad.add("loras")
+    else:
+        for name, path in loras.items():
+            if not isinstance(name, str) or not name.strip() or not isinstance(path, (str, os.PathLike)):
+                problems.append(ConfigProblem("loras", {name: path}, "each entry is a name (a non-empty string) and "
+                                              "the adapter's folder (a path string)."))  # fmt: skip
+                bad.add("loras")
+    for name, low, high in (("max_loras", 0, 64), ("max_lora_rank", 1, MAX_LORA_RANK), ("max_cpu_loras", 0, 1024)):
+        value = getattr(c, name)
+        if name not in bad and not low <= value <= high:
+            problems.append(ConfigProblem(name, value, f"must be between {low} and {high}."))
+            bad.add(name)
+    if problems:
+        return problems
+    count = len(c.loras)
+    if count and not c.enable_lora and "enable_lora" not in bad:
+        c.enable_lora = True
+        c.notes.append(("enable_lora", True, f"`loras` names {count} adapter(s)"))
+    if c.max_loras == 0:
+        c.max_loras = max(1, min(count, MAX_AUTO_LORAS))
+        if c.enable_lora:
+            c.notes.append(("max_loras", c.max_loras, f"one slot an adapter `loras` names (at most {MAX_AUTO_LORAS})"))
+    if c.max_cpu_loras == 0:
+        c.max_cpu_loras = max(c.max_loras, count)
+    elif c.max_cpu_loras < c.max_loras:
+        problems.append(ConfigProblem("max_cpu_loras", c.max_cpu_loras, f"must be at least max_loras ({c.max_loras}): "
+                                      "an adapter in a slot stays read in host memory. Raise it, or leave it 0."))
+    return problems
+
+
+def _lora_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
+    """Every adapter `loras` names checked against the model (all problems at once), and a model LoRA can adapt."""
+    from nanoinfer.lora.peft import adapter_problems
+
+    if not c.enable_lora or c.model_spec is None or bad & {"loras", "max_lora_rank", "enable_lora"}:
+        return []
+    if not c.model_spec.lora_shapes:
+        return [ConfigProblem("enable_lora", True, f"{c.model_spec.architecture} has no layers nanoinfer adapts "
+                              "(attention's q/k/v/o and the MLP's gate/up/down projections). Turn LoRA off.")]
+    problems = []
+    for name, path in c.loras.items():
+        resolved = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        c.loras[name] = resolved
+        problems += [ConfigProblem("loras", {name: resolved}, problem)
+                     for problem in adapter_problems(resolved, c.max_lora_rank, c.model_spec.lora_shapes)]
+    return problems
 
 
 def _pooling_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:

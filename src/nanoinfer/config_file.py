@@ -151,6 +151,8 @@ def merge_settings(
     file_values, problems, _ = read_config_file(config_path) if config_path is not None else ({}, [], {})
     flags = {key: value for key, value in overrides.items() if value is not None}
     values = {**(defaults or {}), **file_values, **flags}
+    if isinstance(file_values.get("loras"), dict) and "loras" in flags:  # --lora adds to the file's adapters
+        values["loras"] = {**file_values["loras"], **flags["loras"]}
     sources = {
         key: "flag" if key in flags else "yaml" if key in file_values else "default"
         for key in settable_fields()

@@ -73,6 +73,11 @@ class BatchFileError(NanoInferError):
     """A file-level problem with a `generate` job (input, output, resume manifest)."""
 
 
+class LoRAError(NanoInferError):
+    """A LoRA adapter cannot be used with this model and config: missing folder, rank over max_lora_rank, DoRA, a
+    target nanoinfer does not adapt, shapes of another base model, an unknown adapter name."""
+
+
 class OutOfMemoryError(NanoInferError):
     """The KV cache cannot be sized to hold what the config asks for."""
 

@@ -17,7 +17,15 @@ from nanoinfer.config import Config
 from nanoinfer.config_file import make_config
 from nanoinfer.engine.engine import LLMEngine, StepStats
 from nanoinfer.engine.sequence import Request, Sequence
-from nanoinfer.errors import ConfigError, ConfigProblem, NanoInferError, RequestError, UnservableRequestError
+from nanoinfer.errors import (
+    ConfigError,
+    ConfigProblem,
+    LoRAError,
+    NanoInferError,
+    RequestError,
+    UnservableRequestError,
+)
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from nanoinfer.pooling import PoolingParams, first_pooled_position, read_sentence_transformers_folder
 from nanoinfer.sampling_params import SamplingParams
@@ -72,23 +80,28 @@ class LLM:
         self,
         prompts: str | list[int] | Seq[str] | Seq[list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in the prompts' order.
 
         Args:
             prompts: one prompt or a list; a prompt is a string or a list of token ids.
             sampling_params: one SamplingParams for all, or one per prompt (default: SamplingParams()).
+            lora_request: the LoRA adapter every prompt runs with, or one per prompt (None: the base model); an LLM
+                made with enable_lora=True runs many adapters in one batch.
 
         Returns:
             One RequestOutput per prompt. Requests that cannot be served (an empty prompt, one longer than
             max_model_len) finish with finish_reason "error", and the others run.
 
         Raises:
-            RequestError: a malformed prompt (token ids outside the vocabulary) or SamplingParams list.
+            RequestError: a malformed prompt (token ids outside the vocabulary) or SamplingParams list, an adapter
+                that cannot be used (code invalid_lora).
         """
         self._check_runner("generate")
         prompts = _as_prompt_list(prompts)
-        return self._run_all(prompts, _broadcast_params(sampling_params, len(prompts), SamplingParams))
+        params = _broadcast_params(sampling_params, len(prompts), SamplingParams)
+        return self._run_all(prompts, params, _broadcast_loras(lora_request, len(prompts)))
 
     def embed(
         self,
@@ -104,12 +117,12 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         return self._run_all(prompts, _broadcast_params(pooling_params, len(prompts), PoolingParams))
 
-    def _run_all(self, prompts: list, params: list) -> list:
+    def _run_all(self, prompts: list, params: list, loras: list | None = None) -> list:
         ids = []
         results: dict = {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
             try:
-                ids.append(self.add_request(prompt, p))
+                ids.append(self.add_request(prompt, p, lora_request=lora))
             except UnservableRequestError as e:
                 refused = _refused_output(str(next(self._request_counter)), prompt, p, e)
                 ids.append(refused.request_id)
@@ -130,15 +143,17 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted by the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request)
 
     # ---- the streaming API (used by `nanoinfer generate`) ----------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None, *, prompt_logprobs_start: int = 1) -> str:
+                    request_id: str | None = None, *, prompt_logprobs_start: int = 1,
+                    lora_request: LoRARequest | None = None) -> str:
         """Admit one prompt: tokenize it, check that it can be served, and queue it in the engine.
 
         Args:
@@ -149,13 +164,15 @@ class LLM:
             prompt_logprobs_start: with params.prompt_logprobs, the first prompt position whose logprob is wanted:
                 earlier entries are None and the prefix cache may serve those tokens (scoring a continuation
                 after a context other requests share computes the context once).
+            lora_request: the adapter this request runs with (None: the base model); read and checked here.
 
         Returns:
             The request id.
 
         Raises:
             RequestError: token ids outside the vocabulary (code out_of_vocabulary), params of the other runner
-                (code wrong_runner), PoolingParams asking for more dimensions than the model has.
+                (code wrong_runner), PoolingParams asking for more dimensions than the model has, an adapter that
+                cannot be used or LoRA not enabled (code invalid_lora).
             UnservableRequestError: an empty prompt (code empty_prompt), or one of max_model_len tokens or more
                 (code prompt_too_long; text too long to fit is refused before tokenizing).
         """
@@ -180,9 +197,10 @@ class LLM:
         else:
             text, token_ids = None, self.check_token_ids(prompt)
         self._check_length(len(token_ids))
+        self._check_lora(lora_request)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         request = Request(request_id, token_ids, params, prompt=text, prompt_logprobs_start=prompt_logprobs_start,
-                          pooling=pooling)
+                          pooling=pooling, lora_request=lora_request)
         if pooling is not None:
             request.first_pooled_position = first_pooled_position(self.config.pooling_type, len(token_ids))
         if params.structured_outputs is not None:
@@ -206,6 +224,22 @@ class LLM:
             raise RequestError(f"dimensions is {params.dimensions}, but this model's embeddings have {hidden_size}. "
                                f"Ask for at most {hidden_size}, or leave it out.", code="invalid_pooling_params")
         return params
+
+    def _check_lora(self, lora: LoRARequest | None) -> None:
+        """The adapter read and checked against the model (cached for the steps that run it), or a RequestError."""
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise RequestError(f"lora_request must be a LoRARequest or None, got {type(lora).__name__}.",
+                               code="invalid_lora")
+        if not self.config.enable_lora:
+            raise RequestError(f"request asks for LoRA adapter {lora.lora_name!r}, but this LLM runs without LoRA. "
+                               "Make it with LLM(model, enable_lora=True) (or name the adapters in `loras`).",
+                               code="invalid_lora")  # fmt: skip
+        try:
+            self.engine.model_runner.add_lora(lora)
+        except LoRAError as e:
+            raise RequestError(str(e), code="invalid_lora") from None
 
     def _check_length(self, num_prompt_tokens: int) -> None:
         # The KV cache needs no check of its own: the engine starts only if it holds one max_model_len sequence
@@ -313,7 +347,7 @@ class LLM:
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outputs,
                              num_cached_tokens=first.num_cached_tokens,
                              metrics={"num_preemptions": sum(s.num_preemptions for s in request.sequences)},
-                             prompt_logprobs=request.prompt_logprobs)
+                             prompt_logprobs=request.prompt_logprobs, lora_request=request.lora_request)
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -344,6 +378,16 @@ def _refused_output(request_id: str, prompt, params, error: RequestError):
     outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error", error=str(error),
                                 error_code=error.code) for i in range(params.n)]
     return RequestOutput(request_id, text, token_ids, outputs)
+
+
+def _broadcast_loras(lora_request, n: int) -> list | None:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise RequestError(f"got {len(loras)} lora_requests for {n} prompts: give one (or None) per prompt, or a "
+                           "single LoRARequest for all.", code="invalid_lora")
+    return loras
 
 
 def _as_prompt_list(prompts) -> list:

@@ -37,6 +37,7 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     # with SamplingParams.prompt_logprobs: one entry a prompt token, None for the first (nothing precedes it)
     prompt_logprobs: list[Logprob | None] | None = None
+    lora_request: object | None = None  # the LoRARequest it ran with (None: the base model)
 
     @property
     def text(self) -> str:

@@ -31,6 +31,9 @@ class AttentionMetadata:
     # Rows of partly filled blocks shared through the prefix cache, copied into the cache before the step runs:
     # (source block, destination block, rows) on the host (BlockManager.pending_copies). None when there are none.
     kv_block_copies: list[tuple[int, int, int]] | None = None
+    # With LoRA enabled: each row's adapter (a LoRARequest, None for the base model), which the runner gives the
+    # layers' slots before the forward pass (lora/manager.py). None when no row has one.
+    lora_rows: list | None = None
 
     @property
     def num_seqs(self) -> int:

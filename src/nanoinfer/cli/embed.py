@@ -14,7 +14,7 @@ import typer
 from nanoinfer import batch
 from nanoinfer.cli import app, err_console, user_errors
 from nanoinfer.cli import generate as generate_cli
-from nanoinfer.cli.engine_options import EngineOptions, engine_options
+from nanoinfer.cli.engine_options import LORA_FIELDS, EngineOptions, engine_options
 from nanoinfer.embed_batch import ENCODING_FORMATS, parse_embedding
 from nanoinfer.errors import BatchFileError
 from nanoinfer.jobs.embed_runner import EmbedLineRunner
@@ -23,7 +23,7 @@ _EMBEDDING = "Embeddings (a line's own fields win)"
 
 
 @app.command("embed")
-@engine_options(exclude=("runner",))  # always the pooling runner
+@engine_options(exclude=("runner", *LORA_FIELDS))  # always the pooling runner; lines name no adapter
 def embed(
     input: Annotated[
         str,

@@ -77,9 +77,22 @@ FLAGS = {
         bool, "--normalize/--no-normalize",
         help="L2-normalize embeddings (default: the model's sentence-transformers config, else normalize).",
     ),
+    "enable_lora": _flag(
+        bool, "--enable-lora/--no-enable-lora", help="Run PEFT LoRA adapters (on when --lora names any)."
+    ),
+    "max_loras": _flag(int, "--max-loras", help="Most adapters one step runs; 0 = as many as --lora names (<= 8)."),
+    "max_lora_rank": _flag(int, "--max-lora-rank", help="Largest adapter rank accepted (1..512); default 16."),
+    "max_cpu_loras": _flag(int, "--max-cpu-loras", help="Most adapters kept read in host memory; 0 = auto."),
+    "loras": _flag(
+        list[str], "--lora",
+        help="NAME=PATH: a PEFT adapter folder a line selects with \"lora\": NAME (OpenAI lines: body.model). Repeat "
+        "for more; added to the config file's loras.",
+    ),
 }
 # The pooling runner's fields: only commands that make embeddings take them.
 POOLING_FIELDS = ("runner", "pooling_type", "normalize")
+# LoRA's fields: commands that generate (and check-config, plan-memory) take them.
+LORA_FIELDS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "loras")
 ConfigFileOption = Annotated[Path | None, typer.Option("--config", help="Engine YAML; flags override its values.")]
 
 
@@ -111,6 +124,26 @@ class EngineOptions:
         return config
 
 
+def parse_lora_flags(values: list[str]) -> dict | None:
+    """--lora NAME=PATH flags -> {NAME: PATH} (None when none was given); a ConfigError for a malformed one."""
+    from nanoinfer.errors import ConfigError, ConfigProblem
+
+    loras, problems = {}, []
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            problems.append(ConfigProblem("loras", value, "--lora takes NAME=PATH, e.g. --lora support=./adapters/"
+                                          "support (the name lines use, the PEFT adapter's folder)."))  # fmt: skip
+        elif name.strip() in loras:
+            problems.append(ConfigProblem("loras", value, f"names {name.strip()!r} twice: give each adapter its own "
+                                          "name."))  # fmt: skip
+        else:
+            loras[name.strip()] = path.strip()
+    if problems:
+        raise ConfigError(problems)
+    return loras or None
+
+
 def engine_options(fields: Iterable[str] | None = None, *, exclude: Iterable[str] = (), config_option: bool = True):
     """Decorator: the command's `engine: EngineOptions` parameter becomes `--config` and one flag per field.
 
@@ -138,7 +171,10 @@ def engine_options(fields: Iterable[str] | None = None, *, exclude: Iterable[str
         @functools.wraps(command)
         def with_engine_options(**kwargs):
             config_path = kwargs.pop("config") if config_option else None
-            engine = EngineOptions(config_path, {name: kwargs.pop(name) for name in names})
+            overrides = {name: kwargs.pop(name) for name in names}
+            if overrides.get("loras") is not None:
+                overrides["loras"] = parse_lora_flags(overrides["loras"])
+            engine = EngineOptions(config_path, overrides)
             return command(**kwargs, engine=engine)
 
         # Typer reads the parameters from the signature, and their types from __annotations__.

@@ -59,6 +59,14 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
 
 
+def root_hash(lora_int_id: int) -> int | None:
+    """The parent hash of a sequence's first block: None for the base model, one of the adapter's own else (a
+    prompt's blocks under an adapter hold other keys and values, so they must not match the base model's)."""
+    if not lora_int_id:
+        return None
+    return xxhash.xxh64_intdigest(b"lora" + lora_int_id.to_bytes(8, "little", signed=False))
+
+
 def hash_block(parent_hash: int | None, token_ids) -> int:
     h = xxhash.xxh64()
     h.update((parent_hash if parent_hash is not None else 0).to_bytes(8, "little", signed=False))
@@ -95,13 +103,14 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, token_ids: list[int]) -> list[int]:
+    def get_computed_blocks(self, token_ids: list[int], root: int | None = None) -> list[int]:
         """Block ids of the longest cached prefix of full blocks. Never covers the last token: its logits
-        are still needed, so at least one token is always computed."""
+        are still needed, so at least one token is always computed. root: the first block's parent hash (root_hash:
+        the sequence's adapter)."""
         if not self.enable_prefix_caching:
             return []
         block_ids: list[int] = []
-        parent = None
+        parent = root
         for j in range((len(token_ids) - 1) // self.block_size):
             chunk = token_ids[j * self.block_size : (j + 1) * self.block_size]
             block_hash = hash_block(parent, chunk)
@@ -116,8 +125,8 @@ class BlockManager:
             parent = block_hash
         return block_ids
 
-    def find_partial_share(self, token_ids: list[int], computed_block_ids: list[int],
-                           limit: int) -> PartialShare | None:
+    def find_partial_share(self, token_ids: list[int], computed_block_ids: list[int], limit: int,
+                           root: int | None = None) -> PartialShare | None:
         """After the whole-block hits `computed_block_ids`, the cached partly filled block whose leading rows match
         most of token_ids' next tokens (up to `limit` tokens in all), if MIN_SHARED_TOKENS or more match."""
         if not self.enable_prefix_caching:
@@ -126,7 +135,7 @@ class BlockManager:
         most = min(limit - start, self.block_size - 1)
         if most < MIN_SHARED_TOKENS:
             return None
-        parent = self.blocks[computed_block_ids[-1]].block_hash if computed_block_ids else None
+        parent = self.blocks[computed_block_ids[-1]].block_hash if computed_block_ids else root
         wanted = tuple(token_ids[start : start + most])
         for n in range(most // MIN_SHARED_TOKENS * MIN_SHARED_TOKENS, 0, -MIN_SHARED_TOKENS):
             candidates = self.partial_blocks.get((parent, wanted[:n]))
@@ -217,7 +226,7 @@ class BlockManager:
         bs = self.block_size
         for j, block_id in enumerate(seq.block_table):
             filled = min(bs, seq.num_computed_tokens - j * bs)
-            parent = self.blocks[seq.block_table[j - 1]].block_hash if j else None
+            parent = self.blocks[seq.block_table[j - 1]].block_hash if j else seq.request.cache_root
             if filled < MIN_SHARED_TOKENS or (j and parent is None):
                 return  # the blocks after it cannot be keyed by their parent either
             block = self.blocks[block_id]
@@ -265,7 +274,7 @@ class BlockManager:
             return  # most steps: no block filled up
         num_full = min(num_full, len(seq.block_table))
         for j in range(seq.num_hashed_blocks, num_full):
-            parent = self.blocks[seq.block_table[j - 1]].block_hash if j > 0 else None
+            parent = self.blocks[seq.block_table[j - 1]].block_hash if j > 0 else seq.request.cache_root
             chunk = tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
             block = self.blocks[seq.block_table[j]]
             block.block_hash = hash_block(parent, chunk)

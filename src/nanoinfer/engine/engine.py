@@ -61,6 +61,7 @@ class LLMEngine:
             eos_token_ids=eos_token_ids,
             stop_string_checker=stop_string_checker,
             proposer=_make_proposer(config),
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
 
     def add_request(self, request: Request) -> None:

@@ -19,6 +19,7 @@ from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.engine.sampler import PROMPT_LOGPROBS_CHUNK, Sampler, prompt_logprobs
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
+from nanoinfer.lora.manager import LoRAManager
 from nanoinfer.models import registry
 from nanoinfer.models.weights.loader import load_weights
 from nanoinfer.platforms import current_platform
@@ -124,6 +125,9 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         for rotary in self.model.rotary_embeddings():
             rotary.to_device(self.device)
+        # Adapters' slots in every adaptable layer, made before the weights are packed (lora/manager.py)
+        self.lora_manager = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                        config.max_num_batched_tokens, self.device) if config.enable_lora else None
         self.num_packed_weights = self.platform.prepare_model(self.model)
         self.sampler = Sampler(config.seed)
         self.pooler = Pooler(config.pooling_type, config.normalize) if config.runner == "pooling" else None
@@ -193,9 +197,20 @@ class ModelRunner:
         self.kv_cache.before_step(metadata.slot_mapping)
         if metadata.kv_block_copies:
             self.kv_cache.copy_rows(metadata.kv_block_copies)
+        self.set_lora_rows(metadata, logits_indices)
         if self.decode_runner is not None and metadata.is_pure_decode:
             return self.decode_runner.run(input_ids, positions, metadata, logits_indices)
         return self.model(input_ids, positions, self.kv_caches, metadata, logits_indices)
+
+    def add_lora(self, lora) -> None:
+        """Read and check an adapter before a request using it is queued (a LoRAError if it cannot run)."""
+        self.lora_manager.add_adapter(lora)
+
+    def set_lora_rows(self, metadata: AttentionMetadata, kept_rows) -> None:
+        """Give the adapted layers this step's adapter a row (the adapters loaded into slots first)."""
+        if self.lora_manager is not None:
+            rows = metadata.lora_rows or [None] * metadata.slot_mapping.numel()
+            self.lora_manager.set_step(rows, kept_rows)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -279,6 +294,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(metadata):
             if metadata.kv_block_copies:
                 self.kv_cache.copy_rows(metadata.kv_block_copies)
+            self.set_lora_rows(metadata, None)
             return self.graph_runner.run(input_ids, positions, metadata)[hidden_indices]
         return self.run_model(input_ids, positions, metadata, hidden_indices)
 
@@ -295,6 +311,8 @@ class ModelRunner:
         pooled_rows: list[HiddenRows] = []
         tables: list[list[int]] = []
         state_slots: list[int] = []
+        lora_rows: list = []  # each row's adapter, with LoRA enabled
+        with_lora = self.lora_manager is not None and any(s.request.lora_request for s, _ in out.scheduled)
         bs = self.block_size
         max_blocks = 0
         # Host work is paid on every step, before the GPU gets anything to do: plain list appends, a decode
@@ -309,6 +327,8 @@ class ModelRunner:
                 # then verifies them, the fused CPU decode loop included; this step's rows are stored in the
                 # cache before any row attends, so each sees the proposed tokens before it.
                 tokens = [seq.token_ids[start], *seq.spec_token_ids]
+                if with_lora:
+                    lora_rows += [seq.request.lora_request] * len(tokens)
                 for i, token in enumerate(tokens):
                     pos = start + i
                     input_ids.append(token)
@@ -339,6 +359,8 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(table)
             state_slots.append(seq.state_slot)
+            if with_lora:
+                lora_rows += [seq.request.lora_request] * num_new
             if len(table) > max_blocks:
                 max_blocks = len(table)
             if seq.wants_prompt_logprobs or seq.request.pooling is not None:
@@ -378,6 +400,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             state_slots=torch.tensor(state_slots, dtype=torch.int32, device=dev) if self.state_cache else None,
             kv_block_copies=out.kv_block_copies or None,
+            lora_rows=lora_rows or None,
         )
         extra_rows = len(sample_rows) < len(hidden_indices)
         return ModelInputs(

@@ -48,6 +48,7 @@ class Scheduler:
         eos_token_ids: set[int] = frozenset(),
         stop_string_checker: Callable[[Sequence], str | None] | None = None,
         proposer: NgramProposer | None = None,
+        max_loras: int = 0,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -59,6 +60,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.proposer = proposer
+        self.max_loras = max_loras  # most LoRA adapters among running sequences (0: LoRA off)
         self.num_draft_tokens = 0  # tokens proposed by speculation, and how many of them the model kept
         self.num_accepted_tokens = 0
         self._finished_at_admission: list[Request] = []
@@ -109,18 +111,25 @@ class Scheduler:
                 i += 1
 
         # Then waiting sequences, in order, while budget, sequence slots and blocks last. Not after a
-        # preemption: the cache is already short. One whose grammar still compiles stays, and the rest go on.
-        compiling: list[Sequence] = []
+        # preemption: the cache is already short. One whose grammar still compiles stays, and the rest go on; so
+        # does one whose adapter would make more than max_loras among the running sequences (vLLM's rule: its turn
+        # comes when an adapter's sequences have all finished).
+        set_aside: list[Sequence] = []
+        loras = {s.request.lora_int_id for s in self.running} - {0}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
+            lora_id = seq.request.lora_int_id
+            if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
+                set_aside.append(self.waiting.popleft())
+                continue
             if seq.grammar is None and seq.request.structured_output is not None:
-                if not self._start_grammar(seq, compiling):
+                if not self._start_grammar(seq, set_aside):
                     continue
             computed, share = [], None
             if seq.num_computed_tokens == 0:  # not those whose hidden states this step must produce
-                limit = seq.max_cached_tokens
-                computed = bm.get_computed_blocks(seq.token_ids)[: limit // bm.block_size]
-                share = bm.find_partial_share(seq.token_ids, computed, limit)
+                limit, root = seq.max_cached_tokens, seq.request.cache_root
+                computed = bm.get_computed_blocks(seq.token_ids, root)[: limit // bm.block_size]
+                share = bm.find_partial_share(seq.token_ids, computed, limit, root)
             num_cached = len(computed) * bm.block_size + (share.num_tokens if share is not None else 0)
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not bm.allocate_slots(seq, num_new, computed, share):
@@ -131,9 +140,11 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if lora_id:
+                loras.add(lora_id)
             out.scheduled.append((seq, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(set_aside))
         # Copies leave the block manager with this step, and the scheduler keeps them until update(): a step that
         # raised before its forward pass (Ctrl-C) hands them to the next, or the shared rows would never be there.
         self._unapplied_copies += bm.pending_copies

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoinfer.engine.block_manager import root_hash
 from nanoinfer.outputs import Logprob
 from nanoinfer.pooling import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
@@ -122,6 +123,7 @@ class Request:
     prompt_logprobs_start: int = 1
     pooling: PoolingParams | None = None  # an embedding request (sampling_params then has max_tokens 0)
     first_pooled_position: int = 0  # the first prompt position whose hidden state its vector needs
+    lora_request: object | None = None  # the LoRARequest it runs with (None: the base model)
     # One entry a prompt token, filled as the prompt is computed: None before prompt_logprobs_start, then Logprobs.
     prompt_logprobs: list[Logprob | None] | None = field(default=None, init=False)
 
@@ -135,3 +137,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.sequences)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def cache_root(self) -> int | None:
+        """The prefix cache's parent hash of the first block (block_manager.root_hash): the same prompt under two
+        adapters has other keys and values, so their blocks never match."""
+        return root_hash(self.lora_int_id)

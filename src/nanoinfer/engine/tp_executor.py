@@ -157,6 +157,9 @@ class TensorParallelExecutor:
             return {}
         return group_by_sequence(sample_seqs, self.runner.sampler(logits, sample_seqs))
 
+    def add_lora(self, lora) -> None:
+        self.runner.add_lora(lora)  # rank 0 checks it; each worker reads it for the first step that runs it
+
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Full-vocabulary logits of the sequences that reach their end this step (gathered on rank 0)."""
         inputs = self.runner.prepare_inputs(out)

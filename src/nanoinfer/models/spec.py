@@ -5,7 +5,7 @@ device, CausalLM.describe reads it). No torch here: memory.py and roofline.py ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,20 @@ class ModelSpec:
     expert_intermediate_size: int = 0  # each expert's width, split over tensor-parallel ranks
     # A hybrid model's linear-attention layers (Qwen3-Next, Qwen3.5): a fixed-size state per sequence, not a KV cache
     linear_attention_layers: tuple[LinearAttentionLayerSpec, ...] = ()
+    # What a LoRA adapter may target: module name as in the HF checkpoint (each of q/k/v/o, gate/up/down, and a fused
+    # qkv_proj / gate_up_proj whole) -> (in, out) features (lora/layers.py)
+    lora_shapes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
+
+    def lora_slot_bytes(self, max_lora_rank: int, dtype_bytes: int) -> int:
+        """One adapter slot's A and B in every adapted layer (all ranks together): each fused layer holds a rank's
+        rows of A per slice and one B over its whole output."""
+        fused = {name for name in self.lora_shapes if name.endswith(("qkv_proj", "gate_up_proj"))}
+        elements = 0
+        for name, (fan_in, fan_out) in self.lora_shapes.items():
+            if name in fused:
+                continue
+            elements += max_lora_rank * (fan_in + fan_out)
+        return elements * dtype_bytes
 
     @property
     def num_layers(self) -> int:

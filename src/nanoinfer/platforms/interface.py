@@ -87,6 +87,28 @@ class Platform:
         """silu(x Wg^T) * (x Wu^T) for the MLP's fused gate/up layer."""
         return self.silu_and_mul(self.linear(layer, x, None))
 
+    # LoRA method: the batched low-rank deltas of many adapters in one step (lora/layers.py holds the weights)
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 row_slots: torch.Tensor, slice_offsets: tuple[int, ...]) -> None:  # fmt: skip
+        """y += each row's own adapter's delta, in place: row t with slot l = row_slots[t] >= 0 gets
+        h = x[t] lora_a[l]^T ([S * R]: slice s's rank rows at s * R ...) and, for each output column c of slice s
+        (slice_offsets[s] <= c < slice_offsets[s + 1]), y[t, c] += h[s * R : (s + 1) * R] . lora_b[l, :, c]; rows with
+        slot -1 are left alone. x [T, K], y [T, N], lora_a [L, S * R, K], lora_b [L, R, N] (B transposed, the
+        adapter's scaling folded in), row_slots [T] int32. Sums in float32, h rounded to x's dtype (PEFT's lora_A
+        output), y rounded once. The reference: each slot's rows gathered, two matmuls, added back."""
+        rank = lora_b.shape[1]
+        for slot in torch.unique(row_slots).tolist():
+            if slot < 0:
+                continue
+            rows = (row_slots == slot).nonzero().flatten()
+            h = (x[rows].float() @ lora_a[slot].float().T).to(x.dtype).float()
+            delta = torch.empty(len(rows), y.shape[1], dtype=torch.float32, device=y.device)
+            for s in range(len(slice_offsets) - 1):
+                lo, hi = slice_offsets[s], slice_offsets[s + 1]
+                delta[:, lo:hi] = h[:, s * rank : (s + 1) * rank] @ lora_b[slot, :, lo:hi].float()
+            y[rows] = (y[rows].float() + delta).to(y.dtype)
+
     # Expert method: how an MoE layer's experts (models/layers/moe.FusedMoE) multiply
 
     def fused_moe(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,

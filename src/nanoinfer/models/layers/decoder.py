@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.lora.layers import lora_shapes
 from nanoinfer.models.layers.attention import Attention
 from nanoinfer.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.models.layers.rotary import RotaryEmbedding
@@ -217,5 +218,6 @@ class CausalLM(nn.Module):
             layer_params=count(self.model.layers), matmul_params=matmul,
             final_norm_params=count(self.model.norm),
             lm_head_params=0 if self.tie_word_embeddings else self.lm_head.weight.numel(),
-            supports_tensor_parallel=self.supports_tensor_parallel, linear_attention_layers=linear, **moe,
+            supports_tensor_parallel=self.supports_tensor_parallel, linear_attention_layers=linear,
+            lora_shapes=lora_shapes(self), **moe,
         )  # fmt: skip

@@ -3,6 +3,8 @@
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id)` that copies its rank's slice of
 a checkpoint tensor, so the loader never needs to know how a layer is split. How they multiply is the
 platform's linear method (platforms/): plain F.linear, or a GEMM over weights it packed once after loading.
+A layer a LoRA adapter may target gets `lora` (lora/layers.LoRALayerWeights) when the engine enables LoRA: each
+row's adapter delta is then added to the base output.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by rows (output features) across ranks; no communication."""
 
     uses_linear_method = True  # the platform's linear method multiplies (and may pack) this layer's weight
+    lora = None  # its LoRA slots (lora/layers.py) when the engine runs adapters
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         super().__init__()
@@ -40,7 +43,10 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(rank_slice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.platform.linear(self, x, self.bias)
+        y = self.platform.linear(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
 
 
 class GateUpParallelLinear(ColumnParallelLinear):
@@ -61,9 +67,16 @@ class GateUpParallelLinear(ColumnParallelLinear):
 
     def act_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """act(x Wg^T) * (x Wu^T), [..., intermediate / tp]."""
+        if self.lora is not None:  # the adapters' deltas join gate and up before the activation
+            return self._activate(self(x))
         if self.activation == "silu":
             return self.platform.silu_and_mul_linear(self, x)
-        return self.platform.gelu_tanh_and_mul(self.platform.linear(self, x, None))
+        return self._activate(self.platform.linear(self, x, None))
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return self.platform.silu_and_mul(gate_up)
+        return self.platform.gelu_tanh_and_mul(gate_up)
 
 
 # transformers' activation names -> the gated activation nanoinfer runs for them
@@ -95,6 +108,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by columns (input features); partial sums are all-reduced."""
 
     uses_linear_method = True
+    lora = None  # as ColumnParallelLinear's
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -112,6 +126,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.platform.linear(self, x, None)
+        if self.lora is not None:  # this rank's share of x A^T, times B: summed over ranks with the base output
+            self.lora.apply(x, y)
         if self.tp_size > 1:
             all_reduce(y)
         if self.bias is not None:

@@ -1,0 +1,137 @@
+"""The adaptable layers: which of a model's linears take LoRA deltas, their names in a PEFT adapter, and each one's
+slots of adapter weights.
+
+A layer's `lora` (a LoRALayerWeights) holds every resident adapter's A and B in fixed slots, so one step's rows can
+each use their own adapter in the same forward pass (Punica's batched LoRA): the platform's `add_lora` adds each
+row's x A^T B^T (B scaled) to the base output. Fused layers (q/k/v, gate/up) hold one slice per projection, each
+with its own A and B. Under tensor parallelism a slot is sharded like the layer: a column-parallel layer's B by
+output rows, a row-parallel layer's A by input columns (its partial products then join the all-reduce the base
+output already makes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoinfer.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+# The projections a LoRA adapter may target, by our (fused) module's name: attention's and the MLP's.
+ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def adaptable_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Our module path -> the decoder's linear layers LoRA adapts (not the LM head, experts or linear attention)."""
+    return {name: module for name, module in model.named_modules()
+            if name.rsplit(".", 1)[-1] in ADAPTABLE
+            and isinstance(module, (ColumnParallelLinear, RowParallelLinear))}  # fmt: skip
+
+
+def slice_names(model: nn.Module, path: str, layer: nn.Module) -> list[str]:
+    """The PEFT module name of each slice of our layer at `path`, in slice order (q, k, v; gate, up; or the layer)."""
+    if not isinstance(layer, ColumnParallelLinear) or len(layer.output_sizes) == 1:
+        return [path]
+    prefix, fused = path.rsplit(".", 1)
+    by_shard = {(f, shard): fragment for fragment, (f, shard) in model.packed_modules.items()}
+    shards = layer.shards if isinstance(layer, QKVParallelLinear) else range(len(layer.output_sizes))
+    return [f"{prefix}.{by_shard[(fused, shard)]}" for shard in shards]
+
+
+def lora_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every module name an adapter may target (HF's: each slice, and a fused layer whole) -> (in, out) features of
+    the whole model (a tensor-parallel rank's layers scaled back up). Read before the platform packs the weights."""
+    shapes = {}
+    for path, layer in adaptable_layers(model).items():
+        column = isinstance(layer, ColumnParallelLinear)
+        fan_in = layer.weight.shape[1] * (1 if column else layer.tp_size)
+        sizes = [size * layer.tp_size for size in layer.output_sizes] if column else [layer.weight.shape[0]]
+        for name, size in zip(slice_names(model, path, layer), sizes):
+            shapes[name] = (fan_in, size)
+        if len(sizes) > 1:
+            shapes[path] = (fan_in, sum(sizes))  # the fused projection as one target (Phi-3's qkv_proj)
+    return shapes
+
+
+class LoRAContext:
+    """Which slot each row of the running step uses (-1: the base model), for every adapted layer.
+
+    A layer reads the rows its input has: the step's rows, or the last layer's kept rows (the model runs the last
+    o_proj and MLP for the rows the step reads only: DecoderModel.forward); told apart by count, as the kept rows
+    are a strict subset when they differ. `active` is False when no row has an adapter: the layers then add nothing.
+    """
+
+    def __init__(self, max_rows: int, device: torch.device):
+        # One buffer the step's slots are copied into, so a CUDA graph captured over it reads each replay's slots.
+        self.buffer = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
+        self.row_slots = self.buffer[:0]
+        self.kept_slots: torch.Tensor | None = None
+        self.active = False
+
+    def set_step(self, row_slots: list[int], kept_rows: torch.Tensor | None) -> None:
+        count = len(row_slots)
+        self.active = any(slot >= 0 for slot in row_slots)
+        if count > self.buffer.numel():
+            self.buffer = torch.full((count,), -1, dtype=torch.int32, device=self.buffer.device)
+        self.buffer.fill_(-1)
+        self.buffer[:count].copy_(torch.tensor(row_slots, dtype=torch.int32))
+        self.row_slots = self.buffer[:count]
+        self.kept_slots = None if kept_rows is None or not self.active else self.row_slots[kept_rows]
+
+    def set_graph_rows(self, num_rows: int) -> None:
+        """Rows of a CUDA graph being captured: its kernels read the buffer's first num_rows slots when replayed."""
+        self.row_slots, self.kept_slots, self.active = self.buffer[:num_rows], None, True
+
+    def slots_for(self, num_rows: int) -> torch.Tensor | None:
+        if not self.active:
+            return None
+        if num_rows == self.row_slots.numel():
+            return self.row_slots
+        if self.kept_slots is not None and num_rows == self.kept_slots.numel():
+            return self.kept_slots
+        raise RuntimeError(f"a LoRA layer got {num_rows} rows; the step has {self.row_slots.numel()}")
+
+
+class LoRALayerWeights:
+    """One adapted layer's slots: lora_a [max_loras, slices * max_rank, in] and lora_b [max_loras, max_rank, out]
+    (B transposed and scaled) of this rank's shard, zeros where a slot's adapter does not target a slice."""
+
+    def __init__(self, layer: nn.Module, max_loras: int, max_rank: int, context: LoRAContext):
+        self.layer = layer
+        self.context = context
+        self.max_rank = max_rank
+        self.column_parallel = isinstance(layer, ColumnParallelLinear)
+        weight = layer.weight
+        sizes = layer.output_sizes if self.column_parallel else [weight.shape[0]]
+        self.slice_offsets = tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+        self.lora_a = torch.zeros(max_loras, len(sizes) * max_rank, weight.shape[1], dtype=weight.dtype,
+                                  device=weight.device)  # fmt: skip
+        self.lora_b = torch.zeros(max_loras, max_rank, sum(sizes), dtype=weight.dtype, device=weight.device)
+
+    def set_slot(self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot `slot` <- one (A [rank, in], B [out, rank], scaled, whole-model sizes) a slice, None where the
+        adapter leaves the slice alone."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        rank_id, tp = self.layer.tp_rank, self.layer.tp_size
+        for s, weights in enumerate(slices):
+            if weights is None:
+                continue
+            a, b = weights
+            rank = a.shape[0]
+            lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
+            if self.column_parallel:  # B's rows follow the layer's output rows: this rank's share of them
+                b = b.narrow(0, rank_id * (hi - lo), hi - lo)
+            else:  # A's columns follow the layer's input columns
+                a = a.narrow(1, rank_id * self.lora_a.shape[2], self.lora_a.shape[2]) if tp > 1 else a
+            self.lora_a[slot, s * self.max_rank : s * self.max_rank + rank] = a
+            self.lora_b[slot, :rank, lo:hi] = b.T
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += each row's adapter delta of x, in place (nothing when no row of the step has an adapter)."""
+        row_slots = self.context.slots_for(x.shape[0])
+        if row_slots is not None:
+            self.layer.platform.add_lora(y, x, self.lora_a, self.lora_b, row_slots, self.slice_offsets)
+
+    @property
+    def nbytes_per_slot(self) -> int:
+        return (self.lora_a[0].numel() + self.lora_b[0].numel()) * self.lora_a.element_size()

@@ -1,0 +1,32 @@
+"""LoRARequest: which adapter a request runs with (vLLM's names)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from nanoinfer.errors import LoRAError
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A PEFT LoRA adapter for one request.
+
+    lora_name: how records and OpenAI batch lines name it (`body.model`);
+    lora_int_id: the adapter's identity in the engine, >= 1 (adapter cache, slots and the prefix cache key on it:
+    one id, one adapter);
+    lora_path: the PEFT folder (adapter_config.json + adapter_model.safetensors)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self):
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise LoRAError(f"LoRARequest's lora_name must be a non-empty string, got {self.lora_name!r}.")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise LoRAError(f"LoRARequest {self.lora_name!r}: lora_int_id must be an integer >= 1 (0 is the base "
+                            f"model), got {self.lora_int_id!r}.")  # fmt: skip
+        if not isinstance(self.lora_path, (str, os.PathLike)):
+            raise LoRAError(f"LoRARequest {self.lora_name!r}: lora_path must be a folder path, got {self.lora_path!r}.")
+        object.__setattr__(self, "lora_path", os.path.abspath(os.path.expanduser(os.fspath(self.lora_path))))

@@ -1,0 +1,27 @@
+"""Random PEFT LoRA adapters for a tiny model (tests and benchmarks), saved by PEFT itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def build_tiny_adapter(model_dir: str | Path, path: str | Path, *, rank: int = 8, lora_alpha: float = 16,
+                       target_modules: tuple[str, ...] = ("q_proj", "v_proj"), use_rslora: bool = False,
+                       std: float = 0.2, seed: int = 0, **config) -> Path:  # fmt: skip
+    """A LoRA adapter of `model_dir`'s model with random A and B (std `std`: large enough that its outputs differ
+    from the base model's), saved with PeftModel.save_pretrained to `path`. `config`: more LoraConfig fields."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=list(target_modules), use_rslora=use_rslora,
+                      init_lora_weights=False, **config)  # fmt: skip
+    peft_model = get_peft_model(model, lora)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    peft_model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
