@@ -25,9 +25,12 @@ def test_every_kernel_launch_compiles_for_sm90():
     result = subprocess.run([sys.executable, "-m", "nanoinfer.testing.triton_compile", "90"], env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "118 compiled, 0 failed" in result.stdout, result.stdout
+    assert "134 compiled, 0 failed" in result.stdout, result.stdout
     assert "fp8 e4m3 cache: _store_kvcache_kernel" in result.stdout and "fp8 e5m2 cache: _paged_decode" in result.stdout
     assert "experts bf16, decode tiles: _moe_gemm_kernel" in result.stdout  # the fused-MoE path (27 of the launches)
     # gated delta: linear attention's conv (decode and prefill tiles) and recurrent step (8 of the launches)
     assert "linear attention bf16, prefill: _causal_conv1d_kernel" in result.stdout
     assert "linear attention bf16, decode: _fused_recurrent_gated_delta_rule_kernel" in result.stdout
+    # lora: batched multi-LoRA's shrink and expand, decode and prefill tiles, ranks 8 to 64 (16 of the launches)
+    assert "lora bf16 rank 64, prefill tiles: _lora_shrink_kernel" in result.stdout
+    assert "lora bf16 rank 8, decode tiles: _lora_expand_kernel" in result.stdout

@@ -66,6 +66,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     """Run every launcher on small CPU inputs in each dtype combination the engine uses; (case, kernel, args,
     kwargs) for each launch."""
     from nanoinfer.platforms.cuda.kernels import fused_moe, fused_ops, gated_delta, paged_attention
+    from nanoinfer.platforms.cuda.kernels import lora as lora_kernels
 
     store_module = sys.modules["nanoinfer.platforms.cuda.kernels.store_kvcache"]  # the package re-exports the function
     modules = {
@@ -74,6 +75,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         fused_ops: ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel"),
         fused_moe: ("_moe_align_kernel", "_moe_gemm_kernel", "_moe_sum_kernel"),
         gated_delta: ("_causal_conv1d_kernel", "_fused_recurrent_gated_delta_rule_kernel"),
+        lora_kernels: ("_lora_shrink_kernel", "_lora_expand_kernel"),
     }
     launches: list = []
     originals = {}
@@ -193,6 +195,34 @@ def _cases() -> dict[str, Callable[[], None]]:
     }
     # --- end gated delta -------------------------------------------------------------------------------------
 
+    # --- lora (batched multi-LoRA) ---------------------------------------------------------------------------
+    def lora(dtype, num_rows, rank):
+        # Qwen3-8B's adapted projections: qkv (S 3 uneven: 4096, 1024, 1024), gate_up (S 2: 12288 each) and down
+        # (K 12288); 4 slots, rows interleaving two adapters and the base model. num_rows > 128: prefill tiles.
+        def run():
+            from nanoinfer.platforms.cuda.kernels.lora import add_lora
+
+            num_slots, hidden = 4, 4096
+            row_slots = torch.tensor([0, -1, 3], dtype=torch.int32).repeat(num_rows)[:num_rows]
+            for offsets, k_in in (((0, 4096, 5120, 6144), hidden), ((0, 12288, 24576), hidden), ((0, hidden), 12288)):
+                n_out, num_slices = offsets[-1], len(offsets) - 1
+                add_lora(torch.empty(num_rows, n_out, dtype=dtype), torch.empty(num_rows, k_in, dtype=dtype),
+                         torch.empty(num_slots, num_slices * rank, k_in, dtype=dtype),
+                         torch.empty(num_slots, rank, n_out, dtype=dtype), row_slots, offsets)  # fmt: skip
+
+        return run
+
+    lora_cases = {
+        "lora bf16 rank 8, decode tiles": lora(torch.bfloat16, 4, 8),
+        "lora bf16 rank 64, decode tiles": lora(torch.bfloat16, 4, 64),
+        "lora bf16 rank 8, prefill tiles": lora(torch.bfloat16, 512, 8),
+        "lora bf16 rank 64, prefill tiles": lora(torch.bfloat16, 512, 64),
+        "lora fp16 rank 16, decode tiles": lora(torch.float16, 4, 16),
+        "lora fp32 rank 16, decode tiles": lora(torch.float32, 4, 16),
+        "lora fp32 rank 16, prefill tiles": lora(torch.float32, 512, 16),
+    }
+    # --- end lora --------------------------------------------------------------------------------------------
+
     from nanoinfer.platforms.cuda.kernels.fused_moe import DECODE_CONFIG, PREFILL_CONFIG
 
     return {
@@ -224,6 +254,7 @@ def _cases() -> dict[str, Callable[[], None]]:
         "experts fp16, prefill tiles": experts(torch.float16, PREFILL_CONFIG),
         "experts fp32, decode tiles": experts(torch.float32, DECODE_CONFIG, activations=("silu",)),
         **gated_delta_cases,
+        **lora_cases,
     }
 
 

@@ -115,6 +115,15 @@ class CudaPlatform(Platform):
             return gated_delta.gated_delta_rule(q, k, v, g, beta, ssm_state, metadata)
         return super().gated_delta_rule(q, k, v, g, beta, ssm_state, metadata)
 
+    def add_lora(self, y, x, lora_a, lora_b, row_slots, slice_offsets):
+        """Through Triton's shrink and expand (kernels/lora.py) in every dtype: the reference reads row_slots back
+        to the host, which a CUDA graph cannot capture."""
+        if x.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            from nanoinfer.platforms.cuda.kernels import lora
+
+            return lora.add_lora(y, x, lora_a, lora_b, row_slots, slice_offsets)
+        return super().add_lora(y, x, lora_a, lora_b, row_slots, slice_offsets)
+
     def attention_backend(self, name: str):
         if name == "flash-attn":
             from nanoinfer.platforms.cuda.flash_attn_backend import FlashAttnBackend
