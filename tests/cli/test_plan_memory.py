@@ -51,6 +51,22 @@ def test_qwen3_on_h200_matches_hand_computation():
     assert report["fits"] is True and report["verdict"].startswith("fits: 4,258 blocks hold 1,090,048 tokens")
 
 
+def test_lora_slots_come_out_of_the_kv_budget():
+    """Qwen3-0.6B (28 layers, hidden 1024, q 2048, k/v 1024, MLP 3072): 4 slots of rank 16 in bf16, by hand."""
+    per_layer = 16 * ((1024 + 2048) + 2 * (1024 + 1024) + (2048 + 1024) + 2 * (1024 + 3072) + (3072 + 1024))
+    lora = 4 * 28 * per_layer * 2
+    result, report = plan_json("--model", QWEN3, "--gpu", "H200", "--enable-lora", "--max-loras", "4")
+    assert result.exit_code == 0
+    assert (report["max_loras"], report["max_lora_rank"], report["lora_bytes"]) == (4, 16, lora)
+    assert report["kv_budget_bytes"] == int(141e9 * 0.9) - WEIGHTS - ACTIVATION - lora
+    # tensor parallelism: o_proj / down_proj shard A, the others B
+    result, report = plan_json("--model", QWEN3, "--gpu", "H200", "--enable-lora", "--max-loras", "4", "--tp", "2")
+    sharded = 16 * ((1024 + 1024) + 2 * (1024 + 512) + (1024 + 1024) + 2 * (1024 + 1536) + (1536 + 1024))
+    assert report["lora_bytes"] == 4 * 28 * sharded * 2
+    _, plain = plan_json("--model", QWEN3, "--gpu", "H200")
+    assert plain["lora_bytes"] == 0 and plain["max_loras"] == 0
+
+
 def test_table_output_shows_the_numbers_and_the_verdict():
     result = plan_memory("--model", QWEN3, "--gpu", "h200")
     assert result.exit_code == 0

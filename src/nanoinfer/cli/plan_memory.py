@@ -27,7 +27,7 @@ EXIT_DOES_NOT_FIT = 3
 _FIELDS = (
     "model", "tensor_parallel_size", "dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size", "num_kvcache_blocks",
-    "num_speculative_tokens",
+    "num_speculative_tokens", "enable_lora", "max_loras", "max_lora_rank", "loras",
 )  # fmt: skip
 
 
@@ -96,6 +96,7 @@ def _settings(engine: EngineOptions) -> dict:
         )
         values["max_model_len"] = max_pos
     _check(values, spec)
+    _resolve_loras(values, notes)
     return {**values, "model_dir": model_dir, "hf_config": hf_config, "spec": spec, "max_position_embeddings": max_pos,
             "notes": notes}  # fmt: skip
 
@@ -161,6 +162,18 @@ def _check(values: dict, spec) -> None:
         raise ConfigError(problems)
 
 
+def _resolve_loras(values: dict, notes: list) -> None:
+    """max_loras as the engine resolves it (Config._lora_ranges), 0 without LoRA: the adapter slots to plan."""
+    from nanoinfer.config import MAX_AUTO_LORAS
+
+    loras = values["loras"] if isinstance(values["loras"], dict) else {}
+    if not (values["enable_lora"] or loras):
+        values["max_loras"] = 0
+    elif values["max_loras"] == 0:
+        values["max_loras"] = max(1, min(len(loras), MAX_AUTO_LORAS))
+        notes.append(f"max_loras 0 = {values['max_loras']} (one slot an adapter in loras)")
+
+
 def _device_memory(gpu: str | None, gpu_memory: str | None) -> dict:
     """Total memory and memory used by others, from --gpu, --gpu-memory or the CUDA device present."""
     if gpu and gpu_memory:
@@ -195,13 +208,16 @@ def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks
         ),
         "block_bytes": memory.kv_block_bytes(spec, s["kvcache_block_size"], tp, s["kv_cache_dtype"]),
         "state_slot_bytes": memory.state_slot_bytes(spec, tp, dtype),
+        "lora_bytes": s["max_loras"] * spec.lora_slot_bytes(s["max_lora_rank"], memory.dtype_bytes(dtype), tp),
     }
     try:
         plan = memory.plan_kv_cache(
             total_bytes=device["total_bytes"], utilization=s["gpu_memory_utilization"],
             other_bytes=device["other_bytes"], block_size=s["kvcache_block_size"],
             max_model_len=s["max_model_len"], num_kvcache_blocks=num_kvcache_blocks, spec=spec,
-            max_num_seqs=s["max_num_seqs"], **inputs,
+            max_num_seqs=s["max_num_seqs"], activation_bytes=inputs["activation_bytes"],
+            block_bytes=inputs["block_bytes"], state_slot_bytes=inputs["state_slot_bytes"],
+            weights_bytes=inputs["weights_bytes"] + inputs["lora_bytes"],  # adapter slots stay, like the weights
         )  # fmt: skip
         return {**inputs, "plan": plan, "error": None}
     except OutOfMemoryError as e:
@@ -216,7 +232,7 @@ def build_report(s: dict, device: dict) -> dict:
     plan = run["plan"]
     budget = memory.kv_budget_bytes(
         total_bytes=device["total_bytes"], utilization=s["gpu_memory_utilization"],
-        weights_bytes=run["weights_bytes"], activation_bytes=run["activation_bytes"],
+        weights_bytes=run["weights_bytes"] + run["lora_bytes"], activation_bytes=run["activation_bytes"],
         other_bytes=device["other_bytes"],
     )  # fmt: skip
     fits = plan is not None and plan.fits_one_sequence
@@ -266,6 +282,10 @@ def build_report(s: dict, device: dict) -> dict:
                 if s["spec"].num_moe_layers else None),
         "expert_bytes": memory.expert_share(s["spec"], run["weights_bytes"]),
         "activation_bytes": run["activation_bytes"],
+        # LoRA: max_loras adapter slots of max_lora_rank in every adapted layer, per rank (0 without LoRA)
+        "max_loras": s["max_loras"],
+        "max_lora_rank": s["max_lora_rank"],
+        "lora_bytes": run["lora_bytes"],
         "kv_budget_bytes": budget,
         "kv_bytes_per_token": run["block_bytes"] // s["kvcache_block_size"],
         "kv_layer_groups": _kv_layer_groups(s["spec"], tp, s["kv_cache_dtype"]),
@@ -318,6 +338,8 @@ def _render(r: dict) -> None:
          f"{r['tensor_parallel_size']} / {r['dtype']} / {r['kv_cache_dtype']}"),
         ("weights (per rank)", f"{size(r['weights_bytes'])} ({r['weights_bytes']:,} B)"),
         *([(f"  experts ({r['moe']})", size(r["expert_bytes"]))] if r.get("moe") else []),
+        *([(f"LoRA slots ({r['max_loras']} x rank {r['max_lora_rank']}, per rank)",
+            f"{size(r['lora_bytes'])} ({r['lora_bytes']:,} B)")] if r["max_loras"] else []),
         ("activation peak (estimate)", f"{size(r['activation_bytes'])} ({r['activation_bytes']:,} B)"),
         ("KV budget", f"{size(r['kv_budget_bytes'])} ({r['kv_budget_bytes']:,} B)"),
         ("KV bytes per token", f"{r['kv_bytes_per_token']:,}"),

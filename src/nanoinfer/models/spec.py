@@ -77,15 +77,17 @@ class ModelSpec:
     # qkv_proj / gate_up_proj whole) -> (in, out) features (lora/layers.py)
     lora_shapes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
 
-    def lora_slot_bytes(self, max_lora_rank: int, dtype_bytes: int) -> int:
-        """One adapter slot's A and B in every adapted layer (all ranks together): each fused layer holds a rank's
-        rows of A per slice and one B over its whole output."""
-        fused = {name for name in self.lora_shapes if name.endswith(("qkv_proj", "gate_up_proj"))}
+    def lora_slot_bytes(self, max_lora_rank: int, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+        """One adapter slot's A and B in every adapted layer, on one rank (lora/layers.py): max_lora_rank rows of A
+        and of B a projection, A sharded by input columns where the layer is (o_proj, down_proj), B by output rows
+        elsewhere. A fused projection's own entry is left out: its slices hold it."""
+        tp = tensor_parallel_size
         elements = 0
         for name, (fan_in, fan_out) in self.lora_shapes.items():
-            if name in fused:
+            if name.endswith(("qkv_proj", "gate_up_proj")):
                 continue
-            elements += max_lora_rank * (fan_in + fan_out)
+            row_parallel = name.endswith(("o_proj", "down_proj"))
+            elements += max_lora_rank * (fan_in // tp + fan_out if row_parallel else fan_in + fan_out // tp)
         return elements * dtype_bytes
 
     @property
