@@ -151,8 +151,15 @@ class ModelRunner:
         """Capture the decode graphs over the current KV cache (call again after reallocating it)."""
         from nanoinfer.platforms.cuda.cuda_graph import CUDAGraphRunner, graph_batch_sizes
 
+        lora = self.lora_manager.context if self.lora_manager is not None else None
+
+        def forward(input_ids, positions, metadata):
+            if lora is not None:  # the graph's adapter kernels read the slots each replay's step copies in
+                lora.set_graph_rows(input_ids.shape[0])
+            return self.model(input_ids, positions, self.kv_caches, metadata)
+
         self.graph_runner = CUDAGraphRunner(
-            lambda input_ids, positions, metadata: self.model(input_ids, positions, self.kv_caches, metadata),
+            forward,
             batch_sizes=graph_batch_sizes(max_num_sampled_rows(self.config)), max_model_len=self.config.max_model_len,
             block_size=self.block_size, hidden_size=self.config.hf_config.hidden_size, dtype=self.dtype,
             device=self.device, capturer=capturer, uses_state_slots=self.state_cache is not None,

@@ -70,8 +70,8 @@ class LoRAContext:
     def set_step(self, row_slots: list[int], kept_rows: torch.Tensor | None) -> None:
         count = len(row_slots)
         self.active = any(slot >= 0 for slot in row_slots)
-        if count > self.buffer.numel():
-            self.buffer = torch.full((count,), -1, dtype=torch.int32, device=self.buffer.device)
+        if count > self.buffer.numel():  # a step has at most max_num_batched_tokens rows
+            raise RuntimeError(f"a step of {count} rows; the LoRA row buffer holds {self.buffer.numel()}")
         self.buffer.fill_(-1)
         self.buffer[:count].copy_(torch.tensor(row_slots, dtype=torch.int32))
         self.row_slots = self.buffer[:count]

@@ -85,6 +85,8 @@ class FusedDecode:
         attn0 = decoder.layers[0].self_attn
         for layer, (k_cache, _) in zip(decoder.layers, kv_caches):
             a = layer.self_attn
+            if any(getattr(layer.get_submodule(path), "lora", None) is not None for path in _PROJECTIONS.values()):
+                return False  # adapters' deltas join the projections: the loop has no place for them
             packed = [getattr(layer.get_submodule(path), "packed_weight", None) for path in _PROJECTIONS.values()]
             if any(p is None for p in packed) or [p.kind for p in packed] != expected_kinds:
                 return False
