@@ -170,6 +170,8 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
     Steps that process any prompt tokens (mixed prefill + decode steps included) count as prefill time, pure
     decode steps as decode time; the rest of the wall time (adding requests, detokenizing) is in
     `details["other_seconds"]`. on_step, if given, gets each timed step's StepStats (the roofline's input).
+    With adapters in config.loras, request i runs with the (i mod n)-th: the requests spread evenly over them (each
+    adapter read and put in a slot by the warm-up, untimed).
     """
     import torch
 
@@ -190,14 +192,16 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
 
         engine_info["weights_read_bytes"] = weights_read_bytes(llm.engine.model_runner.model)
         engine_info["expert_bytes"] = expert_bytes(llm.engine.model_runner.model)
+    loras = lora_requests(config.loras)
     if warmup:
-        llm.generate([[0] * WARMUP_PROMPT_LEN], _greedy(SamplingParams, WARMUP_OUTPUT_LEN))
+        warm = loras or [None]
+        llm.generate([[0] * WARMUP_PROMPT_LEN] * len(warm), _greedy(SamplingParams, WARMUP_OUTPUT_LEN), warm)
     params = [_greedy(SamplingParams, n) for n in workload.output_lens]
 
     _sync(device)
     start = time.perf_counter()
-    for prompt, sp in zip(workload.prompt_token_ids, params):
-        llm.add_request(prompt, sp)
+    for i, (prompt, sp) in enumerate(zip(workload.prompt_token_ids, params)):
+        llm.add_request(prompt, sp, lora_request=loras[i % len(loras)] if loras else None)
     outputs, ttft = [], None
     seconds = {"prefill": 0.0, "decode": 0.0}
     steps = {"prefill": 0, "decode": 0}
@@ -230,7 +234,7 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
         output_tokens=workload.num_output_tokens, generated_tokens=generated, seconds=wall,
         prefill_seconds=seconds["prefill"], decode_seconds=seconds["decode"], load_seconds=load_seconds,
         ttft_seconds=ttft, peak_rss_bytes=peak_rss, peak_cuda_bytes=peak_cuda,
-        details={"num_prefill_steps": steps["prefill"], "num_decode_steps": steps["decode"],
+        details={"num_prefill_steps": steps["prefill"], "num_decode_steps": steps["decode"], "num_loras": len(loras),
                  "num_preempted": num_preempted, "num_speculative_tokens": config.num_speculative_tokens,
                  "num_draft_tokens": num_draft, "num_accepted_tokens": num_accepted,
                  "other_seconds": wall - seconds["prefill"] - seconds["decode"]},
@@ -238,6 +242,13 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
     if generated != workload.num_output_tokens:  # ignore_eos + max_tokens: exact lengths are the contract
         raise AssertionError(f"nanoinfer generated {generated} tokens, {workload.num_output_tokens} requested")
     return result, engine_info
+
+
+def lora_requests(loras: dict) -> list:
+    """One LoRARequest a configured adapter (name -> folder), ids 1, 2, ... in the mapping's order."""
+    from nanoinfer.lora.request import LoRARequest
+
+    return [LoRARequest(name, i, path) for i, (name, path) in enumerate(loras.items(), start=1)]
 
 
 def _greedy(sampling_params_cls, max_tokens: int):

@@ -6,6 +6,7 @@ Picks the defaults by device, builds the Config (flag > YAML > default) and rend
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shlex
@@ -25,7 +26,7 @@ from nanoinfer.errors import NanoInferError
 CUDA_DEFAULTS = {"num_requests": 256, "input_len": (100, 1024), "output_len": (100, 1024)}
 CPU_DEFAULTS = {"num_requests": 64, "input_len": (32, 256), "output_len": (32, 256)}
 CUDA_DEFAULT_MODEL_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "models" / "qwen3-0.6b"
-COMPARE_CHOICES = ("hf",)
+COMPARE_CHOICES = ("hf", "base")
 HF_DTYPES = ("float32", "bfloat16", "float16")
 _WORKLOAD = "Workload"
 _ROOFLINE = "Roofline"
@@ -56,7 +57,9 @@ def bench(
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random workload.", rich_help_panel=_WORKLOAD)] = 0,
     compare: Annotated[
-        str | None, typer.Option(help="Also run a peer on the same workload: hf (transformers' generate).")
+        str | None,
+        typer.Option(help="Also run a peer on the same workload: hf (transformers' generate) | base (nanoinfer "
+                     "without the --lora adapters: what the adapters cost)."),
     ] = None,
     hf_batch_size: Annotated[
         int | None, typer.Option(help="Requests per HF generate call (default: all of them in one batch).")
@@ -122,6 +125,11 @@ def bench(
             raise NanoInferError(
                 f"--hf-dtype {hf_dtype} is not a dtype HF runs here. Use one of: {', '.join(HF_DTYPES)}."
             )
+        if compare == "hf" and cfg.loras:
+            raise NanoInferError("--compare hf runs the base model: with --lora adapters compare with --compare base "
+                                 "(the same engine without them).")  # fmt: skip
+        if compare == "base" and not cfg.loras:
+            raise NanoInferError("--compare base measures what LoRA adapters cost: give them with --lora NAME=PATH.")
         if hf_dtype is not None and compare != "hf":
             raise NanoInferError("--hf-dtype sets the dtype of the HF peer: give it with --compare hf.")
         for flag, value in (("--peak-bandwidth-gbs", peak_bandwidth_gbs), ("--peak-tflops", peak_tflops)):
@@ -142,10 +150,19 @@ def bench(
         console.print("running nanoinfer ...", markup=False)
         steps = []
         ours, engine_info = bench_lib.run_nanoinfer(cfg, workload, warmup=warmup, on_step=steps.append)
+        if cfg.loras:
+            ours = dataclasses.replace(ours, engine=f"nanoinfer ({len(cfg.loras)} LoRA adapters)")
+            notes.append("the roofline's floor is the base model's: the adapters' A and B reads and FLOPs are not in "
+                         "it")  # fmt: skip
         console.print(engine_info["kv_cache"], markup=False)
         # After the timed run: the CPU probe's buffers would count in its peak memory.
         floor = _roofline(cfg, engine_info, steps, peak_bandwidth_gbs, peak_tflops) if roofline else None
         runs = [ours]
+        if compare == "base":
+            console.print("running nanoinfer without the adapters ...", markup=False)
+            base_cfg = dataclasses.replace(cfg, enable_lora=False, loras={})
+            base, _ = bench_lib.run_nanoinfer(base_cfg, workload, warmup=warmup)
+            runs.append(dataclasses.replace(base, engine="nanoinfer (base model)"))
         if compare == "hf":
             console.print("running HF transformers generate ...", markup=False)
             # Another dtype than ours (--hf-dtype) compares across precisions, e.g. nanoinfer in bfloat16

@@ -120,6 +120,10 @@ def _read_config(path: Path) -> tuple[dict | None, list[str]]:
     if config.get("modules_to_save"):
         problems.append(f"modules_to_save is {config['modules_to_save']!r}: adapters that replace whole modules "
                         "are not supported; merge the adapter into the model (merge_and_unload) instead.")  # fmt: skip
+    for name, what in (("layer_replication", "layer replication"), ("target_parameters", "LoRA on raw parameters "
+                       "(MoE experts)"), ("alora_invocation_tokens", "activated LoRA (aLoRA)")):  # fmt: skip
+        if config.get(name):
+            problems.append(f"{name} is set: {what} is not supported.")
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         problems.append("the adapter trains biases (bias / lora_bias): not supported; train with bias='none'.")
     for name in ("r", "lora_alpha"):

@@ -9,12 +9,14 @@ def build_tiny_adapter(model_dir: str | Path, path: str | Path, *, rank: int = 8
                        target_modules: tuple[str, ...] = ("q_proj", "v_proj"), use_rslora: bool = False,
                        std: float = 0.2, seed: int = 0, **config) -> Path:  # fmt: skip
     """A LoRA adapter of `model_dir`'s model with random A and B (std `std`: large enough that its outputs differ
-    from the base model's), saved with PeftModel.save_pretrained to `path`. `config`: more LoraConfig fields."""
+    from the base model's), saved with PeftModel.save_pretrained to `path`. `config`: more LoraConfig fields. The
+    base model is built from its config.json alone (an adapter holds A and B only; a GGUF folder works too)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    model.config.name_or_path = str(model_dir)  # the adapter's base_model_name_or_path
     lora = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=list(target_modules), use_rslora=use_rslora,
                       init_lora_weights=False, **config)  # fmt: skip
     peft_model = get_peft_model(model, lora)
