@@ -21,6 +21,8 @@ from nanoinfer.config_file import make_config
 from nanoinfer.engine.block_manager import MIN_SHARED_TOKENS
 from nanoinfer.errors import ConfigError, ConfigProblem, NanoInferError, RequestError
 from nanoinfer.llm import LLM
+from nanoinfer.lora.peft import adapter_rank
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 try:
@@ -38,7 +40,8 @@ logger = logging.getLogger("nanoinfer")
 
 MODEL_NAME = "nanoinfer"
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's and vLLM's default
-OWN_ARGS = ("pretrained", "max_length", "max_gen_toks", "add_bos_token", "prefix_token_id", "tokenizer")
+PEFT_ADAPTER = "peft"  # the name `peft=` model_arg's adapter has in the engine
+OWN_ARGS = ("pretrained", "max_length", "max_gen_toks", "add_bos_token", "prefix_token_id", "tokenizer", "peft")
 # gen_kwargs naming the most tokens to generate, in the order lm-eval's normalize_gen_kwargs reads them.
 MAX_TOKENS_KWARGS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 # gen_kwargs of a task that map onto SamplingParams fields of the same name.
@@ -58,6 +61,8 @@ class NanoInferLM(TemplateLM):
         add_bos_token: as HFLM: True/False forces adding the tokenizer's special tokens; None keeps its default.
         prefix_token_id: the token an empty context is replaced by (default: BOS, else EOS, as HFLM).
         tokenizer: not supported: the engine uses the model folder's tokenizer.
+        peft: a PEFT LoRA adapter folder every request runs with (HFLM's `peft`): LoRA is turned on for it, and
+            max_lora_rank raised to its rank.
         batch_size, max_batch_size: ignored: the engine batches by itself (max_num_seqs, max_num_batched_tokens).
         device: lm-eval's --device: cpu, cuda or cuda:0 (without CUDA, cuda falls back to auto, as HFLM); the
             engine's `device` setting.
@@ -72,14 +77,15 @@ class NanoInferLM(TemplateLM):
     def __init__(self, pretrained: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None,
                  prefix_token_id: int | None = None, tokenizer=None, batch_size=None, max_batch_size=None,
-                 device: str | None = None, **settings):  # fmt: skip
+                 device: str | None = None, peft: str | None = None, **settings):  # fmt: skip
         super().__init__()
-        config = make_config(engine_settings(pretrained, device, tokenizer, settings))
+        config = make_config(engine_settings(pretrained, device, tokenizer, settings, peft))
         self._max_length = _checked_max_length(max_length, config.max_model_len)
         self._max_gen_toks = _parse_arg("max_gen_toks", max_gen_toks, int)
         self.add_bos_token = _parse_arg("add_bos_token", add_bos_token, bool)
         self.custom_prefix_token_id = _parse_arg("prefix_token_id", prefix_token_id, int)
         self.llm = LLM(config=config)
+        self.lora = LoRARequest(PEFT_ADAPTER, 1, config.loras[PEFT_ADAPTER]) if peft is not None else None
         self.tokenizer = self.llm.tokenizer
         self._bos_token_id = _bos_token_id(self.tokenizer)
         self._prefix_text = self.tokenizer.decode([self.prefix_token_id])  # HFLM's has_bos_prefix reads it
@@ -206,7 +212,8 @@ class NanoInferLM(TemplateLM):
         while True:
             for i in submitter.take():
                 tokens, start = entries[i]
-                request_id = self.llm.add_request(tokens, params, next(self._request_ids), prompt_logprobs_start=start)
+                request_id = self.llm.add_request(tokens, params, next(self._request_ids), prompt_logprobs_start=start,
+                                                  lora_request=self.lora)  # fmt: skip
                 in_flight[request_id] = i
             if not in_flight:
                 break
@@ -268,7 +275,7 @@ class NanoInferLM(TemplateLM):
                 )
             # An empty context has nothing to condition on: the prefix token stands in, as for loglikelihood.
             token_ids = self._encode_context(context)[-max_context_len:] or [self.prefix_token_id]
-            submitted[self.llm.add_request(token_ids, params, next(self._request_ids))] = index
+            submitted[self.llm.add_request(token_ids, params, next(self._request_ids), lora_request=self.lora)] = index
             untils.append(until)
         texts: list[str] = [""] * len(requests)
         progress = _Progress("generate_until", len(requests), disable_tqdm)
@@ -332,8 +339,9 @@ class NanoInferLM(TemplateLM):
         return _continue_final_message(text, chat_history[-1]["content"])
 
 
-def engine_settings(pretrained, device, tokenizer, settings: dict) -> dict:
-    """model_args (other than this backend's own) -> Config fields, each value parsed into its field's type."""
+def engine_settings(pretrained, device, tokenizer, settings: dict, peft: str | None = None) -> dict:
+    """model_args (other than this backend's own) -> Config fields, each value parsed into its field's type; `peft`
+    becomes the one adapter in `loras`, max_lora_rank at least its rank."""
     problems = []
     if tokenizer is not None:
         problems.append(ConfigProblem("tokenizer", tokenizer, "is not supported: nanoinfer uses the model folder's "
@@ -355,6 +363,11 @@ def engine_settings(pretrained, device, tokenizer, settings: dict) -> dict:
         values["model"] = str(pretrained)
     if device is not None:
         values["device"] = _engine_device(str(device))
+    if peft is not None:
+        values["loras"] = {PEFT_ADAPTER: str(peft)}
+        rank = adapter_rank(str(peft))
+        if rank is not None and "max_lora_rank" not in values:
+            values["max_lora_rank"] = max(rank, 1)
     return values
 
 

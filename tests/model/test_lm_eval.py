@@ -224,3 +224,17 @@ def test_model_args_are_parsed_into_config_types_and_checked():
 def test_a_max_length_the_engine_cannot_hold_names_the_fix(model_dir):
     with pytest.raises(ConfigError, match="raise max_model_len to 302"):
         NanoInferLM(pretrained=str(model_dir), max_model_len=256, max_length=300)
+
+
+def test_peft_adapter_gives_hf_backends_per_sample_results(model_dir, task_dir, tmp_path):
+    """`peft=FOLDER` (HFLM's model_arg): every request under the adapter, as lm-eval's hf backend with PEFT runs it."""
+    from nanoinfer.testing.tiny_lora import build_tiny_adapter
+
+    adapter = build_tiny_adapter(model_dir, tmp_path / "adapter", rank=8, seed=3,
+                                 target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))  # fmt: skip
+    theirs = evaluate("hf", f"pretrained={model_dir},peft={adapter},dtype=float32,max_length={MAX_LENGTH}",
+                      task_dir, device="cpu", batch_size=1)  # fmt: skip
+    ours = evaluate("nanoinfer", f"pretrained={model_dir},peft={adapter},{NANOINFER_ARGS}", task_dir)
+    assert_same_responses(ours["samples"], theirs["samples"])
+    base = evaluate("nanoinfer", f"pretrained={model_dir},{NANOINFER_ARGS}", task_dir)
+    assert responses(base["samples"]["nanoinfer_rolling"]) != responses(ours["samples"]["nanoinfer_rolling"])

@@ -70,6 +70,16 @@ def read_adapter(path: str | Path, max_lora_rank: int, lora_shapes: dict[str, tu
     return adapter
 
 
+def adapter_rank(path: str | Path) -> int | None:
+    """The largest rank of the adapter in `path` (its config's r and rank_pattern), None where that is unreadable."""
+    try:
+        config = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+        ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+        return max(int(r) for r in ranks)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None  # Config's check of the folder says what is wrong
+
+
 def adapter_problems(path: str | Path, max_lora_rank: int, lora_shapes: dict[str, tuple[int, int]]) -> list[str]:
     """Every reason the adapter in `path` cannot run on this model (empty: it can)."""
     return _read(Path(path), max_lora_rank, lora_shapes)[1]
