@@ -276,3 +276,40 @@ def test_cuda_graphs_fit_in_the_plan(cuda_model_dirs, cuda_llm):
         print(f"graphs {plan.graph_bytes / 2**20:.1f} MiB, KV {plan.kv_bytes / 2**30:.2f} GiB, "
               f"used {used / 2**30:.2f} GiB of {utilization} x {total / 2**30:.1f} GiB")
         assert used <= utilization * total * 1.02
+
+
+def test_lora_float32_greedy_matches_peft_through_cuda_graphs(cuda_model_dirs, cuda_llm, no_tf32, tmp_path):
+    """Two adapters and the base model in one batch, decode captured in CUDA graphs (the Triton shrink / expand read
+    each replay's row slots): token for token with transformers + PEFT on the same GPU in float32."""
+    pytest.importorskip("peft", reason="peft builds the adapters and is the reference (pip install peft)")
+    skip_unless_runnable("triton", "float32")
+    from peft import PeftModel
+
+    from nanoinfer import LoRARequest
+    from nanoinfer.testing.hf_reference import hf_model
+    from nanoinfer.testing.tiny_lora import build_tiny_adapter
+
+    model_dir = cuda_model_dirs["llama"]
+    targets = [("q_proj", "v_proj", "down_proj"), ("k_proj", "o_proj", "gate_proj", "up_proj")]
+    loras = [LoRARequest(f"a{i}", i, str(build_tiny_adapter(model_dir, tmp_path / f"a{i}", rank=8 * i,
+                                                            target_modules=t, seed=i)))
+             for i, t in enumerate(targets, start=1)]  # fmt: skip
+    prompts = make_prompts(vocab_size(model_dir))
+    choice = [([None, *loras])[i % 3] for i in range(len(prompts))]
+    expected = []
+    for prompt, lora in zip(prompts, choice):
+        model = hf_model(model_dir, torch.float32)
+        if lora is not None:
+            model = PeftModel.from_pretrained(model, lora.lora_path)
+        model = model.to("cuda").eval()
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NUM_TOKENS, do_sample=False,
+                                 min_new_tokens=NUM_TOKENS, pad_token_id=0)  # fmt: skip
+        expected.append(out[0, len(prompt):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    with cuda_llm(model_dir, dtype="float32", attention_backend="triton", enable_lora=True, max_loras=2,
+                  max_lora_rank=16, **ENGINE_SETTINGS) as llm:  # fmt: skip
+        assert llm.engine.model_runner.uses_cuda_graphs
+        outputs = llm.generate(prompts, params, lora_request=choice)
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        assert out.token_ids == ref, f"prompt {i} ({choice[i].lora_name if choice[i] else 'base'}) diverged"
