@@ -19,7 +19,7 @@ from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.engine.sampler import PROMPT_LOGPROBS_CHUNK, Sampler, prompt_logprobs
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.lora.manager import LoRAManager
+from nanoinfer.lora.manager import WARM_UP_LORA, LoRAManager
 from nanoinfer.models import registry
 from nanoinfer.models.weights.loader import load_weights
 from nanoinfer.platforms import current_platform
@@ -216,8 +216,7 @@ class ModelRunner:
     def set_lora_rows(self, metadata: AttentionMetadata, kept_rows) -> None:
         """Give the adapted layers this step's adapter a row (the adapters loaded into slots first)."""
         if self.lora_manager is not None:
-            rows = metadata.lora_rows or [None] * metadata.slot_mapping.numel()
-            self.lora_manager.set_step(rows, kept_rows)
+            self.lora_manager.set_step(metadata.lora_rows, kept_rows)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -245,8 +244,9 @@ class ModelRunner:
             num_seqs = min(num_seqs, self.num_state_slots)  # one state slot each
         out = SchedulerOutput()
         next_block = 0
+        lora = WARM_UP_LORA if self.config.enable_lora else None  # the adapters' work is part of the peak too
         for i in range(num_seqs):
-            seq = Request(f"warmup-{i}", [0] * per_seq, SamplingParams(max_tokens=1)).sequences[0]
+            seq = Request(f"warmup-{i}", [0] * per_seq, SamplingParams(max_tokens=1), lora_request=lora).sequences[0]
             num_blocks = -(-per_seq // self.block_size)
             seq.block_table = list(range(next_block, next_block + num_blocks))
             seq.state_slot = i if self.state_cache is not None else -1

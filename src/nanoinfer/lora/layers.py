@@ -66,16 +66,27 @@ class LoRAContext:
         self.row_slots = self.buffer[:0]
         self.kept_slots: torch.Tensor | None = None
         self.active = False
+        self._dirty = False  # the buffer holds slots other than -1
 
-    def set_step(self, row_slots: list[int], kept_rows: torch.Tensor | None) -> None:
+    def set_step(self, row_slots: list[int] | None, kept_rows: torch.Tensor | None) -> None:
+        """row_slots: one slot a row of the step (None: no row has an adapter)."""
+        self.kept_slots = None
+        self.active = row_slots is not None and any(slot >= 0 for slot in row_slots)
+        if not self.active:  # a graph replay still reads the buffer: it must say -1 everywhere
+            if self._dirty:
+                self.buffer.fill_(-1)
+                self._dirty = False
+            self.row_slots = self.buffer[:0]
+            return
         count = len(row_slots)
-        self.active = any(slot >= 0 for slot in row_slots)
         if count > self.buffer.numel():  # a step has at most max_num_batched_tokens rows
             raise RuntimeError(f"a step of {count} rows; the LoRA row buffer holds {self.buffer.numel()}")
         self.buffer.fill_(-1)
         self.buffer[:count].copy_(torch.tensor(row_slots, dtype=torch.int32))
+        self._dirty = True
         self.row_slots = self.buffer[:count]
-        self.kept_slots = None if kept_rows is None or not self.active else self.row_slots[kept_rows]
+        if kept_rows is not None:
+            self.kept_slots = self.row_slots[kept_rows]
 
     def set_graph_rows(self, num_rows: int) -> None:
         """Rows of a CUDA graph being captured: its kernels read the buffer's first num_rows slots when replayed."""

@@ -17,6 +17,9 @@ from nanoinfer.lora.layers import LoRAContext, LoRALayerWeights, adaptable_layer
 from nanoinfer.lora.peft import read_adapter
 from nanoinfer.lora.request import LoRARequest
 
+# The warm-up's rows: they run through slot 0 whatever it holds (ModelRunner.warmup_batch), reading no folder.
+WARM_UP_LORA = LoRARequest("nanoinfer-warm-up", 2**62, "/nanoinfer-warm-up")
+
 
 class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int, max_rows: int,
@@ -81,10 +84,14 @@ class LoRAManager:
             self.slots[lora_id] = slot
         return {lora_id: self.slots[lora_id] for lora_id in wanted}
 
-    def set_step(self, row_loras: list[LoRARequest | None], kept_rows: torch.Tensor | None) -> None:
-        """One adapter (or None) a row of the coming step; kept_rows: the rows the last layer keeps (or None)."""
-        present = [lora for lora in row_loras if lora is not None]
-        slots = self.activate(list({lora.lora_int_id: lora for lora in present}.values())) if present else {}
+    def set_step(self, row_loras: list[LoRARequest | None] | None, kept_rows: torch.Tensor | None) -> None:
+        """One adapter (or None) a row of the coming step (None: no row has one); kept_rows: the rows the last layer
+        keeps (or None)."""
+        if not row_loras:
+            self.context.set_step(None, kept_rows)
+            return
+        present = {lora.lora_int_id: lora for lora in row_loras if lora is not None and lora != WARM_UP_LORA}
+        slots = {**self.activate(list(present.values())), WARM_UP_LORA.lora_int_id: 0}
         self.context.set_step([-1 if lora is None else slots[lora.lora_int_id] for lora in row_loras], kept_rows)
 
     def _load_slot(self, slot: int, weights: dict) -> None:
