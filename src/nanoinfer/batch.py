@@ -51,7 +51,7 @@ _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _SAMPLING_KEYS = tuple(SamplingParams.field_names())
 # Ways to ask for structured output besides "structured_outputs": OpenAI's, and vLLM's older extra fields.
 _GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_NATIVE_KEYS = ("id", *_PROMPT_KEYS, *_SAMPLING_KEYS, "response_format")
+_NATIVE_KEYS = ("id", *_PROMPT_KEYS, *_SAMPLING_KEYS, "response_format", "lora")
 ANY_WHITESPACE_DEFAULT = "json_any_whitespace"  # a sampling default of the job (--json-any-whitespace)
 # OpenAI body keys: mapped onto SamplingParams, accepted and ignored, or refused as unsupported.
 _OPENAI_COMMON = (
@@ -119,7 +119,8 @@ class BatchRequest:
     prompt: str | None = None
     messages: list[dict] | None = None
     prompt_token_ids: list[int] | None = None
-    model: str | None = None  # OpenAI body's "model", echoed in the response
+    model: str | None = None  # OpenAI body's "model", echoed in the response (an adapter's name selects it)
+    lora: str | None = None  # a native line's "lora": the name of the job's adapter it runs with (None: the base model)
     echo: bool = False  # a completions body's echo: each choice's text (and logprobs) start with the prompt's
 
     @property
@@ -411,7 +412,7 @@ def _parse_native(number: int, obj: dict, defaults: dict) -> BatchRequest:
     request_id = request_id_of(obj, NATIVE) or f"line-{number}"
     fields = {k: obj[k] for k in _SAMPLING_KEYS if k in obj}
     _take_structured_outputs(obj, fields, ("structured_outputs", "response_format"))
-    request = BatchRequest(number, request_id, NATIVE, make_params(defaults, fields))
+    request = BatchRequest(number, request_id, NATIVE, make_params(defaults, fields), lora=_check_lora(obj.get("lora")))
     key = given[0]
     if key == "prompt":
         request.prompt = _check_text_prompt(obj[key], "prompt")
@@ -554,6 +555,15 @@ def _refuse_unknown(obj: dict, allowed: tuple[str, ...], where: str) -> None:
     )
 
 
+def _check_lora(value) -> str | None:
+    """A native line's "lora": an adapter's name (null or left out: the base model). Whether the job has that adapter
+    is the line runner's to say."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise BadLine("invalid_lora", f'lora must be the name of one of the job\'s LoRA adapters (a non-empty string, '
+                      f'or null for the base model), got {_short(value)}.')
+    return value
+
+
 def _check_text_prompt(value, name: str) -> str:
     if not isinstance(value, str):
         raise BadLine("invalid_prompt", f"{name} must be a string, got {_json_type(value)}.")
@@ -610,6 +620,8 @@ def result_record(request: BatchRequest, output, decode: Callable[[int], str]) -
         return _openai_result(request, output, decode)
     usage = output.usage
     record: dict = {"id": request.id, "line": request.line}
+    if output.lora_request is not None:
+        record["lora"] = output.lora_request.lora_name
     choices = [
         {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         | ({"logprobs": _native_logprobs(c.logprobs)} if c.logprobs is not None else {})
@@ -696,7 +708,8 @@ def _openai_result(request: BatchRequest, output, decode: Callable[[int], str]) 
         "id": f"{prefix}-line{request.line}",
         "object": obj,
         "created": created,
-        "model": request.model or "nanoinfer",
+        # the adapter that ran, under the name body.model gave it (as vLLM answers), else what the line asked for
+        "model": output.lora_request.lora_name if output.lora_request is not None else request.model or "nanoinfer",
         "choices": choices,
         "usage": usage,
     }
@@ -916,6 +929,18 @@ def model_fingerprint(model_dir: str) -> str:
     return digest.hexdigest()
 
 
+def adapter_fingerprint(adapter_dir: str) -> str:
+    """sha256 over a PEFT adapter's adapter_config.json and weights, read whole: an adapter is small next to its
+    model, and one retrained into the same folder has the same config and file sizes."""
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        digest.update(f"{name}\n".encode())
+        with contextlib.suppress(OSError), open(Path(adapter_dir) / name, "rb") as f:
+            while chunk := f.read(_READ_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def make_manifest(
     input_path: Path, input_sha256: str, num_lines: int, config, sampling_defaults: dict
 ) -> dict:
@@ -924,6 +949,9 @@ def make_manifest(
         "input": {"path": str(input_path), "sha256": input_sha256, "num_lines": num_lines},
         "model": {"path": config.model, "fingerprint": model_fingerprint(config.model)},
         "result_fields": {name: getattr(config, name) for name in RESULT_FIELDS},
+        # the job's adapters by the names lines select them with (a changed adapter changes its lines' results)
+        "loras": {name: {"path": str(path), "fingerprint": adapter_fingerprint(path)}
+                  for name, path in config.loras.items()},
         "sampling_defaults": sampling_defaults,
         "config": {
             k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))
@@ -992,7 +1020,28 @@ def manifest_differences(old: dict, new: dict) -> list[str]:
                 f"{name} was {before!r} when the output was started and is {now!r} now "
                 f"(pass --{name.replace('_', '-')} {before})"
             )
+    problems += _lora_differences(old.get("loras") or {}, new["loras"])  # a manifest from before LoRA: none
     before, now = old.get("sampling_defaults"), new["sampling_defaults"]
     if before != now:
         problems.append(f"the sampling defaults changed: {before} then, {now} now")
+    return problems
+
+
+def _lora_differences(old: dict, new: dict) -> list[str]:
+    """The adapters' changes, by name: a line naming an adapter (or an OpenAI line whose body.model does) would get
+    another answer, or an error record, from another set. Their folders may move; their contents may not."""
+    problems = []
+    removed = [name for name in old if name not in new]
+    if removed:
+        flags = " ".join(f"--lora {name}={old[name].get('path')}" for name in removed)
+        problems.append(f"LoRA adapter(s) {', '.join(removed)} were named when the output was started and are not "
+                        f"now (pass {flags})")
+    added = [name for name in new if name not in old]
+    if added:
+        problems.append(f"LoRA adapter(s) {', '.join(added)} are named now but were not when the output was started "
+                        "(leave them out)")
+    for name in new:
+        if name in old and old[name].get("fingerprint") != new[name]["fingerprint"]:
+            problems.append(f"LoRA adapter {name} changed: the output was started with {old[name].get('path')}, this "
+                            f"run uses {new[name]['path']} (adapter_config.json or its weights differ)")
     return problems

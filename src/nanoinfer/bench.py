@@ -176,6 +176,7 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
     import torch
 
     from nanoinfer.llm import LLM
+    from nanoinfer.lora.request import lora_requests
     from nanoinfer.sampling_params import SamplingParams
 
     device = config.device
@@ -192,7 +193,7 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
 
         engine_info["weights_read_bytes"] = weights_read_bytes(llm.engine.model_runner.model)
         engine_info["expert_bytes"] = expert_bytes(llm.engine.model_runner.model)
-    loras = lora_requests(config.loras)
+    loras = list(lora_requests(config.loras).values())
     if warmup:
         warm = loras or [None]
         llm.generate([[0] * WARMUP_PROMPT_LEN] * len(warm), _greedy(SamplingParams, WARMUP_OUTPUT_LEN), warm)
@@ -242,13 +243,6 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
     if generated != workload.num_output_tokens:  # ignore_eos + max_tokens: exact lengths are the contract
         raise AssertionError(f"nanoinfer generated {generated} tokens, {workload.num_output_tokens} requested")
     return result, engine_info
-
-
-def lora_requests(loras: dict) -> list:
-    """One LoRARequest a configured adapter (name -> folder), ids 1, 2, ... in the mapping's order."""
-    from nanoinfer.lora.request import LoRARequest
-
-    return [LoRARequest(name, i, path) for i, (name, path) in enumerate(loras.items(), start=1)]
 
 
 def _greedy(sampling_params_cls, max_tokens: int):

@@ -15,7 +15,7 @@ COMMANDS = {  # command -> the engine fields it takes flags for
     "bench": set(FLAGS) - {"seed", "trust_remote_code", *POOLING_FIELDS},  # bench's --seed is the workload's
     "plan-memory": {"model", "tensor_parallel_size", "dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs",
                     "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size", "num_kvcache_blocks",
-                    "num_speculative_tokens"},
+                    "num_speculative_tokens", "enable_lora", "max_loras", "max_lora_rank", "loras"},
 }  # fmt: skip
 
 

@@ -291,7 +291,7 @@ class SignallingLLM:
     def encode(self, text):
         return [1, 2]
 
-    def add_request(self, token_ids, params, request_id):
+    def add_request(self, token_ids, params, request_id, lora_request=None):
         self.queue.append((request_id, token_ids))
 
     def step(self):

@@ -35,7 +35,8 @@ def llama_with_adapters(tmp_path_factory):
 
 
 def peft_greedy(model_dir, adapter_dir, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers (+ PEFT with the adapter) greedy tokens of each prompt, one at a time (no padding)."""
+    """transformers (+ PEFT with the adapter) greedy tokens of each prompt, one at a time (no padding): the argmax of
+    each step's logits, EOS included (generate's min_new_tokens would ban it; ignore_eos does not)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -45,9 +46,11 @@ def peft_greedy(model_dir, adapter_dir, prompts: list[list[int]]) -> list[list[i
     outs = []
     with torch.no_grad():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False,
-                                 min_new_tokens=NUM_TOKENS, pad_token_id=0)  # fmt: skip
-            outs.append(out[0, len(prompt):].tolist())
+            tokens = []
+            for _ in range(NUM_TOKENS):
+                logits = model(torch.tensor([prompt + tokens]), use_cache=False).logits
+                tokens.append(int(logits[0, -1].argmax()))
+            outs.append(tokens)
     return outs
 
 

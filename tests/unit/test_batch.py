@@ -299,7 +299,7 @@ class CountingLLM:
     def apply_chat_template(self, messages):
         return " ".join(m["content"] for m in messages)
 
-    def add_request(self, token_ids, params, request_id):
+    def add_request(self, token_ids, params, request_id, lora_request=None):
         self.queue.append((request_id, token_ids))
         self.max_in_flight = max(self.max_in_flight, len(self.queue))
 
@@ -321,6 +321,7 @@ class CountingLLM:
 
 class _Config:
     max_model_len = 256
+    loras = {}
 
 
 def test_in_flight_requests_stay_bounded_on_a_large_input(tmp_path, tiny_model, monkeypatch):

@@ -1,4 +1,5 @@
-"""`nanoinfer check-config`: validate a config (YAML + flags) without loading weights."""
+"""`nanoinfer check-config`: validate a config (YAML + flags) without loading weights (LoRA adapters' headers are read:
+Config checks each one against the model)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ def check_config(
     ] = None,
     engine: EngineOptions = None,  # check-config takes the file as CONFIG: @engine_options puts the engine flags here
     json_output: Annotated[
-        bool, typer.Option("--json", help='Print {"ok", "config", "sources", "notes", "problems"} as JSON.')
+        bool,
+        typer.Option("--json", help='Print {"ok", "config", "sources", "notes", "problems", "loras"} as JSON.'),
     ] = False,
 ):
     """Check a config before a long job: every problem at once, or the resolved values.
 
     Flags override the YAML file, which overrides the defaults. Reads the model's config.json but loads no
-    weights. Exits 0 when the config is valid and 2 when it is not.
+    weights; checks every LoRA adapter (--lora, loras:) against the model. Exits 0 when the config is valid
+    and 2 when it is not.
     """
     engine = dataclasses.replace(engine, config_path=config)
     if json_output:
@@ -60,11 +63,48 @@ def _check_json(engine: EngineOptions) -> None:
         "config": resolved.to_dict() if resolved is not None else _as_given(values),
         "sources": sources,
         "notes": [{"field": f, "value": v, "reason": r} for f, v, r in resolved.notes] if resolved else [],
-        "problems": [p if isinstance(p, dict) else p.to_dict() for p in problems],
+        "problems": [_problem_json(p) for p in problems],
+        "loras": _adapters(resolved.loras if resolved is not None else values.get("loras"), problems, resolved),
     }
     typer.echo(json.dumps(report, indent=2, default=str))
     if not ok:
         raise typer.Exit(code=2)
+
+
+def _problem_json(problem) -> dict:
+    if isinstance(problem, dict):
+        return problem
+    report = problem.to_dict()
+    if _lora_name(problem) is not None:  # the adapter's {name: folder}, as JSON rather than its repr
+        report["value"] = {name: str(path) for name, path in problem.value.items()}
+    return report
+
+
+def _lora_name(problem) -> str | None:
+    """The adapter a problem is about (Config reports each as field loras, value {name: folder}), else None."""
+    value = problem.get("value") if isinstance(problem, dict) else problem.value
+    field = problem.get("field") if isinstance(problem, dict) else problem.field
+    if field == "loras" and isinstance(value, dict) and len(value) == 1:
+        return str(next(iter(value)))
+    return None
+
+
+def _adapters(loras, problems: list, config=None) -> list[dict]:
+    """Each adapter `loras` names: {"name", "path", "rank", "targets", "problems"}; rank (the largest of its modules')
+    and targets (the projections it adapts) once the config resolved, which means Config read and checked it."""
+    from nanoinfer.lora.peft import read_adapter
+
+    entries = []
+    for name, path in (loras.items() if isinstance(loras, dict) else ()):
+        entry = {"name": name, "path": str(path), "rank": None, "targets": None,
+                 "problems": [p["message"] if isinstance(p, dict) else p.message
+                              for p in problems if _lora_name(p) == name]}  # fmt: skip
+        if config is not None and config.model_spec is not None:
+            adapter = read_adapter(path, config.max_lora_rank, config.model_spec.lora_shapes, name)
+            entry["rank"] = adapter.max_rank
+            entry["targets"] = sorted({target.module.rsplit(".", 1)[-1] for target in adapter.targets})
+        entries.append(entry)
+    return entries
 
 
 def _as_given(values: dict) -> dict:
@@ -112,4 +152,10 @@ def _print_summary(config, sources: dict) -> None:
         f"max_position_embeddings {getattr(hf, 'max_position_embeddings', '?')}",
         markup=False,
     )
+    adapters = _adapters(config.loras, [], config)
+    if adapters:
+        console.print(f"LoRA adapters ({len(adapters)}, each checked against the model):", markup=False)
+        for a in adapters:
+            console.print(f"  {a['name']}: rank {a['rank']}, adapts {', '.join(a['targets'])} ({a['path']})",
+                          markup=False)
     console.print("[bold green]ok:[/bold green] the configuration is valid.")

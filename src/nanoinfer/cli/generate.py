@@ -203,13 +203,15 @@ def generate(
 
     Input lines: {"prompt": "..."}, {"messages": [...]} (chat template) or {"prompt_token_ids": [...]},
     with an optional "id" (default "line-N") and optional sampling fields (temperature, top_p, top_k,
-    min_p, max_tokens, stop, seed, n, ignore_eos, logprobs, ...) that override the flags below. OpenAI
-    batch lines ({"custom_id", "method", "url", "body"} for /v1/chat/completions or /v1/completions) are
-    answered in the OpenAI batch output format.
+    min_p, max_tokens, stop, seed, n, ignore_eos, logprobs, ...) that override the flags below, and an
+    optional "lora": NAME to run with the adapter --lora NAME=PATH names. OpenAI batch lines ({"custom_id",
+    "method", "url", "body"} for /v1/chat/completions or /v1/completions) are answered in the OpenAI batch
+    output format; a body.model naming an adapter selects it, any other model name is the base model.
 
     Records are written as requests finish: {"id", "line", "text", "finish_reason", "stop_reason",
-    "usage", "error"} ("choices" instead of "text" when n > 1). A bad line gets a record whose "error" has a
-    code and a message naming the line; the job goes on. max_tokens defaults to 256.
+    "usage", "error"} ("choices" instead of "text" when n > 1; "lora" when an adapter ran). A bad line gets
+    a record whose "error" has a code and a message naming the line; the job goes on.
+    max_tokens defaults to 256.
 
     Interrupted (Ctrl-C, kill -9, power loss)? Run the same command with --resume: finished records are
     kept, a torn last line is cut, the rest is generated. Exit codes: 0 done (even if some lines had

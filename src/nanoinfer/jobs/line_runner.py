@@ -1,8 +1,9 @@
 """LineRunner: one LLM serving parsed JSONL lines, from BatchRequest to finished record.
 
-Admits a line through LLM.add_request (which tokenizes and checks it), steps the engine and builds each finished
-line's record; every failure of one line becomes that line's error record. Reading lines and writing records is
-the caller's: `nanoinfer generate` on one engine, each Ray replica, and the Ray Data predictor all run it.
+Admits a line through LLM.add_request (which tokenizes and checks it) with the LoRA adapter it names, steps the
+engine and builds each finished line's record; every failure of one line becomes that line's error record. Reading
+lines and writing records is the caller's: `nanoinfer generate` on one engine, each Ray replica, and the Ray Data
+predictor all run it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanoinfer import batch
-from nanoinfer.errors import RequestError
+from nanoinfer.errors import RequestError, short_repr
+from nanoinfer.lora.request import LoRARequest, lora_requests
 
 if TYPE_CHECKING:
     from nanoinfer.engine.engine import StepStats
@@ -41,13 +43,14 @@ class LineRunner:
     def __init__(self, llm):
         self.llm = llm
         self.pending: dict[str, batch.BatchRequest] = {}
+        self.loras = lora_requests(llm.config.loras)
         self._decode = lambda token_id: llm.tokenizer.decode([token_id])
 
     def add(self, item: batch.BatchRequest | batch.LineError) -> FinishedLine | None:
         """Queue a line in the engine (None), or return its error record at once."""
         if isinstance(item, batch.LineError):
             return error_line(item)
-        error = admit(self.llm, item)
+        error = admit(self.llm, item, self.loras)
         if error is not None:
             return error_line(error)
         self.pending[str(item.line)] = item
@@ -97,17 +100,35 @@ class LineRunner:
         return FinishedLine(request.line, record, output.usage, False)
 
 
-def admit(llm, request: batch.BatchRequest) -> batch.LineError | None:
-    """Queue one line's request through LLM.add_request (the admission check), or say why it cannot be served
-    (never raises: a line's boundary). The error's code is the RequestError's."""
+def select_lora(request: batch.BatchRequest, loras: dict[str, LoRARequest]) -> LoRARequest | None:
+    """The adapter a line runs with (None: the base model): a native line's "lora", or an OpenAI line's body.model
+    when it names one (any other model name is the base model, as in vLLM). A name the job lacks is a RequestError."""
+    if request.is_openai:
+        return loras.get(request.model) if request.model is not None else None
+    if request.lora is None or request.lora in loras:
+        return loras.get(request.lora)
+    name = short_repr(request.lora, 80)
+    add = f"Add it with --lora {request.lora[:80]}=PATH (or under `loras:` in the config file)"
+    if not loras:
+        raise RequestError(f"lora {name} names a LoRA adapter, but this job has none. {add}, or leave \"lora\" out "
+                           "to use the base model.", code="unknown_lora")  # fmt: skip
+    names = list(loras)
+    known = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    raise RequestError(f"lora {name} is not one of this job's LoRA adapters ({known}). {add}.", code="unknown_lora")
+
+
+def admit(llm, request: batch.BatchRequest, loras: dict[str, LoRARequest]) -> batch.LineError | None:
+    """Queue one line's request through LLM.add_request (the admission check) with its adapter, or say why it cannot
+    be served (never raises: a line's boundary). The error's code is the RequestError's."""
     try:
+        lora = select_lora(request, loras)
         if request.prompt_token_ids is not None:
             prompt = request.prompt_token_ids
         elif request.messages is not None:
             prompt = llm.apply_chat_template(request.messages)
         else:
             prompt = request.prompt
-        llm.add_request(prompt, request.params, request_id=str(request.line))
+        llm.add_request(prompt, request.params, request_id=str(request.line), lora_request=lora)
     except RequestError as e:
         return batch.LineError(request.line, request.id, request.kind, e.code, f"line {request.line}: {e}")
     except Exception as e:  # the per-line boundary: a bug here must not end the job

@@ -17,8 +17,8 @@ from nanoinfer.jobs.line_runner import FinishedLine, LineRunner
 
 # Every field a record can have (native, n > 1, OpenAI batch format): each output batch has all of them as
 # columns, None where a record has no such field, so that Ray Data sees one schema.
-RECORD_FIELDS = ("id", "custom_id", "line", "text", "choices", "finish_reason", "stop_reason", "logprobs", "usage",
-                 "response", "error")
+RECORD_FIELDS = ("id", "custom_id", "line", "lora", "text", "choices", "finish_reason", "stop_reason", "logprobs",
+                 "usage", "response", "error")
 
 
 class NanoinferPredictor:

@@ -30,3 +30,9 @@ class LoRARequest:
         if not isinstance(self.lora_path, (str, os.PathLike)):
             raise LoRAError(f"LoRARequest {self.lora_name!r}: lora_path must be a folder path, got {self.lora_path!r}.")
         object.__setattr__(self, "lora_path", os.path.abspath(os.path.expanduser(os.fspath(self.lora_path))))
+
+
+def lora_requests(loras: dict) -> dict[str, LoRARequest]:
+    """A job's adapters (Config.loras: name -> folder) as one LoRARequest each, ids 1, 2, ... in the mapping's order
+    (every Ray replica and every bench run numbers them alike)."""
+    return {name: LoRARequest(name, lora_int_id, path) for lora_int_id, (name, path) in enumerate(loras.items(), 1)}
