@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from nanoinfer.cli import app
 from nanoinfer.cli import generate as generate_cli
-from nanoinfer.testing.tiny_lora import build_tiny_adapter
+from nanoinfer.testing.tiny_lora import build_tiny_adapter, peft_greedy
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 runner = CliRunner()
@@ -57,34 +57,13 @@ def make_prompts(n: int, seed: int, lengths=(5, 9, 17, 40, 70, 120)) -> list[lis
     return [[rng.randrange(3, 500) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
 
 
-def peft_greedy(model_dir, adapter_dir, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers (+ PEFT with the adapter) greedy tokens of each prompt, one at a time (no padding). A plain argmax
-    loop, as ignore_eos generates: generate()'s min_new_tokens would also forbid EOS, which ignore_eos may pick."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model(torch.tensor([prompt]), use_cache=True)
-            token_ids = [int(out.logits[0, -1].argmax())]
-            while len(token_ids) < NUM_TOKENS:
-                out = model(torch.tensor([token_ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-                token_ids.append(int(out.logits[0, -1].argmax()))
-            outs.append(token_ids)
-    return outs
-
-
 def references(setup, prompts: list[list[int]], choice: list[str | None]) -> list[list[int]]:
     """The reference tokens of prompt i under adapter choice[i] (None: the base model)."""
     expected = [None] * len(prompts)
     for name in set(choice):
         rows = [i for i, c in enumerate(choice) if c == name]
         path = setup["adapters"][name] if name is not None else None
-        for i, tokens in zip(rows, peft_greedy(setup["model"], path, [prompts[i] for i in rows])):
+        for i, tokens in zip(rows, peft_greedy(setup["model"], path, [prompts[i] for i in rows], NUM_TOKENS)):
             expected[i] = tokens
     return expected
 

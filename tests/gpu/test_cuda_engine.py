@@ -283,11 +283,8 @@ def test_lora_float32_greedy_matches_peft_through_cuda_graphs(cuda_model_dirs, c
     each replay's row slots): token for token with transformers + PEFT on the same GPU in float32."""
     pytest.importorskip("peft", reason="peft builds the adapters and is the reference (pip install peft)")
     skip_unless_runnable("triton", "float32")
-    from peft import PeftModel
-
     from nanoinfer import LoRARequest
-    from nanoinfer.testing.hf_reference import hf_model
-    from nanoinfer.testing.tiny_lora import build_tiny_adapter
+    from nanoinfer.testing.tiny_lora import build_tiny_adapter, peft_greedy
 
     model_dir = cuda_model_dirs["llama"]
     targets = [("q_proj", "v_proj", "down_proj"), ("k_proj", "o_proj", "gate_proj", "up_proj")]
@@ -296,16 +293,8 @@ def test_lora_float32_greedy_matches_peft_through_cuda_graphs(cuda_model_dirs, c
              for i, t in enumerate(targets, start=1)]  # fmt: skip
     prompts = make_prompts(vocab_size(model_dir))
     choice = [([None, *loras])[i % 3] for i in range(len(prompts))]
-    expected = []
-    for prompt, lora in zip(prompts, choice):
-        model = hf_model(model_dir, torch.float32)
-        if lora is not None:
-            model = PeftModel.from_pretrained(model, lora.lora_path)
-        model = model.to("cuda").eval()
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NUM_TOKENS, do_sample=False,
-                                 min_new_tokens=NUM_TOKENS, pad_token_id=0)  # fmt: skip
-        expected.append(out[0, len(prompt):].tolist())
+    expected = [peft_greedy(model_dir, lora.lora_path if lora else None, [prompt], NUM_TOKENS, "cuda")[0]
+                for prompt, lora in zip(prompts, choice)]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     with cuda_llm(model_dir, dtype="float32", attention_backend="triton", enable_lora=True, max_loras=2,
                   max_lora_rank=16, **ENGINE_SETTINGS) as llm:  # fmt: skip

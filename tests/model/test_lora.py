@@ -7,11 +7,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from nanoinfer import LLM, LoRARequest, SamplingParams
 from nanoinfer.errors import ConfigError, RequestError
-from nanoinfer.testing.tiny_lora import build_tiny_adapter
+from nanoinfer.testing.tiny_lora import build_tiny_adapter, peft_greedy
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 NUM_TOKENS = 16
@@ -34,32 +33,12 @@ def llama_with_adapters(tmp_path_factory):
     return model, loras
 
 
-def peft_greedy(model_dir, adapter_dir, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers (+ PEFT with the adapter) greedy tokens of each prompt, one at a time (no padding): the argmax of
-    each step's logits, EOS included (generate's min_new_tokens would ban it; ignore_eos does not)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            tokens = []
-            for _ in range(NUM_TOKENS):
-                logits = model(torch.tensor([prompt + tokens]), use_cache=False).logits
-                tokens.append(int(logits[0, -1].argmax()))
-            outs.append(tokens)
-    return outs
-
-
 def references(model_dir, prompts, choice) -> list[list[int]]:
     """The reference tokens of prompt i under adapter choice[i] (None: the base model)."""
     expected = [None] * len(prompts)
     for lora in {c for c in choice}:
         rows = [i for i, c in enumerate(choice) if c == lora]
-        tokens = peft_greedy(model_dir, lora.lora_path if lora else None, [prompts[i] for i in rows])
+        tokens = peft_greedy(model_dir, lora.lora_path if lora else None, [prompts[i] for i in rows], NUM_TOKENS)
         for i, t in zip(rows, tokens):
             expected[i] = t
     return expected

@@ -27,3 +27,29 @@ def build_tiny_adapter(model_dir: str | Path, path: str | Path, *, rank: int = 8
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     peft_model.save_pretrained(path, safe_serialization=True)
     return Path(path)
+
+
+def peft_greedy(model_dir: str | Path, adapter_dir: str | Path | None, prompts: list[list[int]], num_tokens: int,
+                device: str = "cpu") -> list[list[int]]:  # fmt: skip
+    """transformers (+ PEFT with the adapter; None: the base model) greedy tokens of each prompt, one at a time (no
+    padding), float32: the argmax of each step's logits, as ignore_eos generates (generate()'s min_new_tokens would
+    also forbid EOS, which ignore_eos may pick)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model = model.to(device).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model(torch.tensor([prompt], device=device), use_cache=True)
+            token_ids = [int(out.logits[0, -1].argmax())]
+            while len(token_ids) < num_tokens:
+                out = model(torch.tensor([token_ids[-1:]], device=device), past_key_values=out.past_key_values,
+                            use_cache=True)  # fmt: skip
+                token_ids.append(int(out.logits[0, -1].argmax()))
+            outs.append(token_ids)
+    return outs
