@@ -103,7 +103,7 @@ class Platform:
                 continue
             rows = (row_slots == slot).nonzero().flatten()
             h = (x[rows].float() @ lora_a[slot].float().T).to(x.dtype).float()
-            delta = torch.empty(len(rows), y.shape[1], dtype=torch.float32, device=y.device)
+            delta = torch.zeros(len(rows), y.shape[1], dtype=torch.float32, device=y.device)
             for s in range(len(slice_offsets) - 1):
                 lo, hi = slice_offsets[s], slice_offsets[s + 1]
                 delta[:, lo:hi] = h[:, s * rank : (s + 1) * rank] @ lora_b[slot, :, lo:hi].float()

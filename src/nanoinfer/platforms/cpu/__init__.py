@@ -114,6 +114,17 @@ class CpuKernelPlatform(CpuPlatform):
         out = cpu_moe.fused_moe(layer, x, topk_weights, topk_ids)
         return out if out is not None else super().fused_moe(layer, x, topk_weights, topk_ids)
 
+    def add_lora(self, y, x, lora_a, lora_b, row_slots, slice_offsets):
+        # csrc/lora.cpp: every adapter's rows of the step in one call (grouped by slot inside, both products tiled)
+        dtype = x.dtype
+        if (dtype in _KERNEL_DTYPES and y.dtype == lora_a.dtype == lora_b.dtype == dtype and x.dim() == y.dim() == 2
+                and x.stride(-1) == 1 and y.stride(-1) == 1 and lora_a.is_contiguous() and lora_b.is_contiguous()
+                and row_slots.dtype == torch.int32 and row_slots.is_contiguous()
+                and slice_offsets[0] == 0 and slice_offsets[-1] == y.shape[1]):  # fmt: skip
+            self.ops.add_lora(y, x, lora_a, lora_b, row_slots, list(slice_offsets))
+            return
+        super().add_lora(y, x, lora_a, lora_b, row_slots, slice_offsets)
+
     # Linear attention through csrc/gated_delta.cpp (decode and prefill kernels), the reference where they do not apply
     def causal_conv1d(self, x, weight, conv_state, metadata):
         out = cpu_gated_delta.causal_conv1d(x, weight, conv_state, metadata)

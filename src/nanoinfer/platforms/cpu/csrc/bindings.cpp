@@ -36,6 +36,8 @@ torch::Tensor fused_moe(const torch::Tensor& x, const torch::Tensor& topk_ids, c
                         const torch::Tensor& w13, const torch::Tensor& w2, const c10::optional<torch::Tensor>& b13,
                         const c10::optional<torch::Tensor>& b2, int64_t intermediate_size, int64_t activation,
                         double alpha, double limit);
+void add_lora(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& lora_a, const torch::Tensor& lora_b,
+              const torch::Tensor& row_slots, std::vector<int64_t> slice_offsets);
 // linear attention (gated_delta.cpp)
 void gated_delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
                         torch::Tensor ssm_state, torch::Tensor state_slots, torch::Tensor out,
@@ -134,6 +136,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"), pybind11::arg("w13"),
         pybind11::arg("w2"), pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("intermediate_size"),
         pybind11::arg("activation"), pybind11::arg("alpha"), pybind11::arg("limit"));
+  m.def("add_lora", &add_lora,
+        "y += each row's own adapter's LoRA delta, in place (Platform.add_lora): x [T, K], y [T, N] (rows "
+        "contiguous), lora_a [L, S * R, K], lora_b [L, R, N], one dtype (float32 / bfloat16, float32 sums, h rounded "
+        "to it); row_slots int32 [T] (-1: no adapter); slice s is columns slice_offsets[s] .. slice_offsets[s + 1]",
+        pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("lora_a"), pybind11::arg("lora_b"),
+        pybind11::arg("row_slots"), pybind11::arg("slice_offsets"));
   // linear attention (gated_delta.cpp)
   m.def("gated_delta_decode", &gated_delta_decode,
         "one decode step of the gated delta rule into out [B, H_v, D_v]: q, k [B, H_k, D_k] (normalised inside), "
