@@ -2,11 +2,11 @@
 adapters, against the same engine without adapters, in one process (`nanoinfer bench --lora ... --compare base`).
 
 Method: random PEFT adapters of rank 16 on all seven projections (q, k, v, o, gate, up, down: the most work an
-adapter adds) are built for the model with PEFT itself (benchmarks/results/lora/adapters, reused), then `nanoinfer
+adapter adds) are built for the model with PEFT itself (~/.cache/nanoinfer/bench-adapters, reused), then `nanoinfer
 bench` runs the default CPU workload (64 requests, 32..256 tokens in and out, greedy, seed 0) once with request i on
 adapter i mod N, and once on the base model with the same settings and no adapters, one after the other in the same
-process. The ratio is adapters' output tok/s over the base model's. Each N writes its bench JSON next to the
-adapters.
+process. The ratio is adapters' output tok/s over the base model's. Each N writes its bench JSON to
+benchmarks/results/lora/.
 
     python benchmarks/lora_throughput.py                     # N = 4 and N = 1, the default model, float32
     python benchmarks/lora_throughput.py --adapters 4 --num-requests 16   # a quick check that it runs
@@ -21,6 +21,7 @@ from pathlib import Path
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RESULTS = Path(__file__).parent / "results" / "lora"
+ADAPTERS = Path.home() / ".cache" / "nanoinfer" / "bench-adapters"  # ~20 MB each: not in the repository
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     model = resolve_model(args.model)
     folders = []
     for i in range(max(args.adapters)):
-        folder = args.out / "adapters" / f"{Path(model).name}-r{args.rank}-{i}"
+        folder = ADAPTERS / f"{Path(model).name}-r{args.rank}-{i}"
         if not (folder / "adapter_model.safetensors").is_file():  # std 0.02: deltas of a fine-tune's size
             build_tiny_adapter(model, folder, rank=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS,
                                std=0.02, seed=i)  # fmt: skip

@@ -454,8 +454,10 @@ def write_random_weights(config, dtype, folder: Path) -> None:
 
 
 def needs_random_weights(model_dir: Path) -> bool:
-    """A folder with a config.json but no weights (e.g. configs/models/qwen3-0.6b)."""
-    return (model_dir / "config.json").is_file() and not any(model_dir.glob("*.safetensors"))
+    """A folder with a config.json but no weights (e.g. configs/models/qwen3-0.6b): neither safetensors nor a GGUF
+    file (the built-in default's folder holds its GGUF)."""
+    return (model_dir / "config.json").is_file() and not any(model_dir.glob("*.safetensors")) \
+        and not any(model_dir.glob("*.gguf"))
 
 
 # ---- facts about the run --------------------------------------------------------------------------------
