@@ -49,10 +49,14 @@ def make_prompts(n: int, seed: int, lengths=(5, 9, 17, 40, 70, 120)) -> list[lis
     return [[rng.randrange(3, 500) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
 
 
-@pytest.mark.parametrize("regime", ["one_batch", "chunked_preempted"])
-def test_mixed_batch_equals_peft(llama_with_adapters, regime):
+@pytest.mark.parametrize("regime", ["one_batch", "chunked_preempted", "mlp_chunks"])
+def test_mixed_batch_equals_peft(llama_with_adapters, regime, monkeypatch):
     model, loras = llama_with_adapters
     prompts = make_prompts(16, seed=0)
+    if regime == "mlp_chunks":  # the MLP runs 64 rows at a time: each chunk's rows read their own adapters' slots
+        from nanoinfer.platforms.cpu import CpuPlatform
+
+        monkeypatch.setattr(CpuPlatform, "mlp_chunk_bytes", 1024)
     settings = dict(enable_lora=True, max_loras=2, max_lora_rank=16)  # 3 adapters, 2 slots: adapters swap in and out
     if regime == "chunked_preempted":  # prompts that cross a block boundary while decoding, in a 3-block cache
         prompts = make_prompts(16, seed=0, lengths=tuple(range(236, 252)))

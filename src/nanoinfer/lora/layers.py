@@ -11,6 +11,8 @@ output already makes).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -91,6 +93,19 @@ class LoRAContext:
     def set_graph_rows(self, num_rows: int) -> None:
         """Rows of a CUDA graph being captured: its kernels read the buffer's first num_rows slots when replayed."""
         self.row_slots, self.kept_slots, self.active = self.buffer[:num_rows], None, True
+
+    @contextmanager
+    def row_window(self, num_rows: int, start: int, stop: int):
+        """Layers called on rows start:stop of a num_rows input (the MLP's chunks of rows) read those rows' slots."""
+        if not self.active:
+            yield
+            return
+        saved = self.row_slots, self.kept_slots
+        self.row_slots, self.kept_slots = self.slots_for(num_rows)[start:stop], None
+        try:
+            yield
+        finally:
+            self.row_slots, self.kept_slots = saved
 
     def slots_for(self, num_rows: int) -> torch.Tensor | None:
         if not self.active:

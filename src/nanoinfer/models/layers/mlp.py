@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from torch import nn
 
 from nanoinfer.models.layers.linear import GateUpParallelLinear, RowParallelLinear
@@ -26,8 +28,10 @@ class GatedMLP(nn.Module):
         if rows <= chunk:
             return self._forward(x)
         out = x.new_empty(rows, self.hidden_size)
+        lora = self.gate_up_proj.lora  # with adapters, each chunk's rows use their own slots
         for start in range(0, rows, chunk):
-            out[start : start + chunk] = self._forward(x[start : start + chunk])
+            with lora.context.row_window(rows, start, start + chunk) if lora is not None else nullcontext():
+                out[start : start + chunk] = self._forward(x[start : start + chunk])
         return out
 
     def _forward(self, x):
