@@ -1020,7 +1020,11 @@ def manifest_differences(old: dict, new: dict) -> list[str]:
                 f"{name} was {before!r} when the output was started and is {now!r} now "
                 f"(pass --{name.replace('_', '-')} {before})"
             )
-    problems += _lora_differences(old.get("loras") or {}, new["loras"])  # a manifest from before LoRA: none
+    old_loras = old.get("loras") or {}  # a manifest from before LoRA: none
+    if not isinstance(old_loras, dict) or not all(isinstance(v, dict) for v in old_loras.values()):
+        problems.append("the manifest's LoRA adapters are unreadable (edited by hand?): start over with --overwrite")
+    else:
+        problems += _lora_differences(old_loras, new["loras"])
     before, now = old.get("sampling_defaults"), new["sampling_defaults"]
     if before != now:
         problems.append(f"the sampling defaults changed: {before} then, {now} now")

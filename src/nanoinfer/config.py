@@ -596,6 +596,11 @@ MAX_AUTO_LORAS = 8  # max_loras 0 resolves to the adapters `loras` names, up to 
 MAX_LORA_RANK = 512
 
 
+def auto_max_loras(num_loras: int) -> int:
+    """max_loras 0: one slot an adapter `loras` names, at least 1 and at most MAX_AUTO_LORAS."""
+    return max(1, min(num_loras, MAX_AUTO_LORAS))
+
+
 def _lora_ranges(c: Config, bad: set[str]) -> list[ConfigProblem]:
     """LoRA fields that need no model: ranges, the loras mapping's shape; fills enable_lora, max_loras and
     max_cpu_loras in."""
@@ -622,8 +627,10 @@ def _lora_ranges(c: Config, bad: set[str]) -> list[ConfigProblem]:
     if count and not c.enable_lora and "enable_lora" not in bad:
         c.enable_lora = True
         c.notes.append(("enable_lora", True, f"`loras` names {count} adapter(s)"))
+    for name, path in c.loras.items():  # checked against the model later (_lora_problems), as given here
+        c.loras[name] = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if c.max_loras == 0:
-        c.max_loras = max(1, min(count, MAX_AUTO_LORAS))
+        c.max_loras = auto_max_loras(count)
         if c.enable_lora:
             c.notes.append(("max_loras", c.max_loras, f"one slot an adapter `loras` names (at most {MAX_AUTO_LORAS})"))
     if c.max_cpu_loras == 0:
@@ -643,13 +650,8 @@ def _lora_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
     if not c.model_spec.lora_shapes:
         return [ConfigProblem("enable_lora", True, f"{c.model_spec.architecture} has no layers nanoinfer adapts "
                               "(attention's q/k/v/o and the MLP's gate/up/down projections). Turn LoRA off.")]
-    problems = []
-    for name, path in c.loras.items():
-        resolved = os.path.abspath(os.path.expanduser(os.fspath(path)))
-        c.loras[name] = resolved
-        problems += [ConfigProblem("loras", {name: resolved}, problem)
-                     for problem in adapter_problems(resolved, c.max_lora_rank, c.model_spec.lora_shapes)]
-    return problems
+    return [ConfigProblem("loras", {name: path}, problem) for name, path in c.loras.items()
+            for problem in adapter_problems(path, c.max_lora_rank, c.model_spec.lora_shapes)]  # fmt: skip
 
 
 def _pooling_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:

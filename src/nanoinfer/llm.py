@@ -118,6 +118,8 @@ class LLM:
         return self._run_all(prompts, _broadcast_params(pooling_params, len(prompts), PoolingParams))
 
     def _run_all(self, prompts: list, params: list, loras: list | None = None) -> list:
+        for lora in {id(lora): lora for lora in loras or ()}.values():
+            self._check_lora(lora)  # every adapter before any request is queued: a refusal leaves none behind
         ids = []
         results: dict = {}
         for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
@@ -230,8 +232,8 @@ class LLM:
         if lora is None:
             return
         if not isinstance(lora, LoRARequest):
-            raise RequestError(f"lora_request must be a LoRARequest or None, got {type(lora).__name__}.",
-                               code="invalid_lora")
+            raise RequestError(f"lora_request must be a nanoinfer.LoRARequest or None, got {type(lora).__module__}."
+                               f"{type(lora).__name__}.", code="invalid_lora")  # fmt: skip
         if not self.config.enable_lora:
             raise RequestError(f"request asks for LoRA adapter {lora.lora_name!r}, but this LLM runs without LoRA. "
                                "Make it with LLM(model, enable_lora=True) (or name the adapters in `loras`).",
@@ -380,9 +382,12 @@ def _refused_output(request_id: str, prompt, params, error: RequestError):
     return RequestOutput(request_id, text, token_ids, outputs)
 
 
-def _broadcast_loras(lora_request, n: int) -> list | None:
+def _broadcast_loras(lora_request, n: int) -> list:
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * n
+    if not isinstance(lora_request, (list, tuple)):
+        raise RequestError(f"lora_request must be a LoRARequest, None, or a list of them (one a prompt), got "
+                           f"{type(lora_request).__module__}.{type(lora_request).__name__}.", code="invalid_lora")
     loras = list(lora_request)
     if len(loras) != n:
         raise RequestError(f"got {len(loras)} lora_requests for {n} prompts: give one (or None) per prompt, or a "

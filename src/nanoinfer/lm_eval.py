@@ -22,7 +22,7 @@ from nanoinfer.engine.block_manager import MIN_SHARED_TOKENS
 from nanoinfer.errors import ConfigError, ConfigProblem, NanoInferError, RequestError
 from nanoinfer.llm import LLM
 from nanoinfer.lora.peft import adapter_rank
-from nanoinfer.lora.request import LoRARequest
+from nanoinfer.lora.request import lora_requests
 from nanoinfer.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 try:
@@ -85,7 +85,7 @@ class NanoInferLM(TemplateLM):
         self.add_bos_token = _parse_arg("add_bos_token", add_bos_token, bool)
         self.custom_prefix_token_id = _parse_arg("prefix_token_id", prefix_token_id, int)
         self.llm = LLM(config=config)
-        self.lora = LoRARequest(PEFT_ADAPTER, 1, config.loras[PEFT_ADAPTER]) if peft is not None else None
+        self.lora = lora_requests(config.loras)[PEFT_ADAPTER] if peft is not None else None
         self.tokenizer = self.llm.tokenizer
         self._bos_token_id = _bos_token_id(self.tokenizer)
         self._prefix_text = self.tokenizer.decode([self.prefix_token_id])  # HFLM's has_bos_prefix reads it

@@ -4,6 +4,10 @@ what embed() returns: one EmbeddingRequestOutput per request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanoinfer.lora.request import LoRARequest
 
 
 @dataclass
@@ -37,7 +41,7 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     # with SamplingParams.prompt_logprobs: one entry a prompt token, None for the first (nothing precedes it)
     prompt_logprobs: list[Logprob | None] | None = None
-    lora_request: object | None = None  # the LoRARequest it ran with (None: the base model)
+    lora_request: LoRARequest | None = None  # the adapter it ran with (None: the base model)
 
     @property
     def text(self) -> str:

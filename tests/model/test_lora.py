@@ -9,7 +9,7 @@ import random
 import pytest
 
 from nanoinfer import LLM, LoRARequest, SamplingParams
-from nanoinfer.errors import ConfigError, RequestError
+from nanoinfer.errors import ConfigError, LoRAError, RequestError
 from nanoinfer.testing.tiny_lora import build_tiny_adapter, peft_greedy
 from nanoinfer.testing.tiny_models import build_tiny_model
 
@@ -64,6 +64,7 @@ def test_mixed_batch_equals_peft(llama_with_adapters, regime, monkeypatch):
     choice = [([None, *loras])[i % 4] for i in range(len(prompts))]
     llm = LLM(model, **settings)
     outs = llm.generate(prompts, GREEDY, lora_request=choice)
+    assert llm.engine.model_runner.lora_manager.num_slot_loads > 2  # 3 adapters through 2 slots: one was given up
     expected = references(model, prompts, choice)
     assert [o.token_ids for o in outs] == expected
     assert [o.lora_request for o in outs] == choice
@@ -128,6 +129,15 @@ def test_bad_adapters_are_refused_at_check_time_and_at_run_time(llama_with_adapt
         with pytest.raises(RequestError) as info:
             llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest(name, i, path))
         assert info.value.code == "invalid_lora"
+    # a refused adapter anywhere in a generate() call queues none of its prompts
+    with pytest.raises(RequestError):
+        llm.generate([[5, 6, 7]] * 3, GREEDY, lora_request=[loras[0], None, LoRARequest("big", 20, bad["big"])])
+    assert not llm.has_unfinished_requests()
+    with pytest.raises(RequestError, match="a LoRARequest, None, or a list"):
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=5)
+    for lora_id in (0, 2**62, True):
+        with pytest.raises(LoRAError, match="lora_int_id must be an integer from 1"):
+            LoRARequest("x", lora_id, bad["big"])
     # the engine still serves good requests after refusing bad ones
     assert llm.generate([[5, 6, 7]], GREEDY, lora_request=loras[0])[0].finish_reason == "length"
 
@@ -137,3 +147,24 @@ def test_lora_requests_need_enable_lora(llama_with_adapters):
     llm = LLM(model)
     with pytest.raises(RequestError, match="enable_lora=True"):
         llm.generate([[5, 6, 7]], GREEDY, lora_request=loras[0])
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma4", "qwen3_5"])
+def test_slots_take_what_plan_memory_counts(tmp_path, family):
+    """The slots the engine allocates are the bytes ModelSpec.lora_slot_bytes plans for (plan-memory): fused layers,
+    Gemma 4's layers holding q alone (KV shared from an earlier layer), a hybrid model's attention layers."""
+    model = build_tiny_model(family, tmp_path / family)
+    llm = LLM(model, enable_lora=True, max_loras=3, max_lora_rank=8)
+    manager = llm.engine.model_runner.lora_manager
+    assert manager.nbytes == 3 * llm.config.model_spec.lora_slot_bytes(8, 4) > 0
+
+
+def test_gemma4_layers_sharing_kv_take_q_adapters(tmp_path):
+    """Gemma 4's KV-sharing layers hold q alone: an adapter on q/o and the MLP equals PEFT there too."""
+    model = build_tiny_model("gemma4", tmp_path / "gemma4")
+    adapter = build_tiny_adapter(model, tmp_path / "adapter", rank=4, seed=9,
+                                 target_modules=("q_proj", "o_proj", "gate_proj", "down_proj"))  # fmt: skip
+    lora = LoRARequest("g", 1, str(adapter))
+    prompts = make_prompts(3, seed=5)
+    outs = LLM(model, enable_lora=True, max_lora_rank=4).generate(prompts, GREEDY, lora_request=lora)
+    assert [o.token_ids for o in outs] == references(model, prompts, [lora] * 3)

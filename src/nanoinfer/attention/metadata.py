@@ -8,8 +8,12 @@ There is no prefill/decode mode: a sequence's new tokens are the last query_len 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nanoinfer.lora.request import LoRARequest
 
 
 @dataclass
@@ -33,7 +37,7 @@ class AttentionMetadata:
     kv_block_copies: list[tuple[int, int, int]] | None = None
     # With LoRA enabled: each row's adapter (a LoRARequest, None for the base model), which the runner gives the
     # layers' slots before the forward pass (lora/manager.py). None when no row has one.
-    lora_rows: list | None = None
+    lora_rows: list[LoRARequest | None] | None = None
 
     @property
     def num_seqs(self) -> int:

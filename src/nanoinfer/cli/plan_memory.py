@@ -164,13 +164,13 @@ def _check(values: dict, spec) -> None:
 
 def _resolve_loras(values: dict, notes: list) -> None:
     """max_loras as the engine resolves it (Config._lora_ranges), 0 without LoRA: the adapter slots to plan."""
-    from nanoinfer.config import MAX_AUTO_LORAS
+    from nanoinfer.config import auto_max_loras
 
     loras = values["loras"] if isinstance(values["loras"], dict) else {}
     if not (values["enable_lora"] or loras):
         values["max_loras"] = 0
     elif values["max_loras"] == 0:
-        values["max_loras"] = max(1, min(len(loras), MAX_AUTO_LORAS))
+        values["max_loras"] = auto_max_loras(len(loras))
         notes.append(f"max_loras 0 = {values['max_loras']} (one slot an adapter in loras)")
 
 
@@ -210,6 +210,8 @@ def _plan(s: dict, device: dict, weights_total: int, tp: int, num_kvcache_blocks
         "state_slot_bytes": memory.state_slot_bytes(spec, tp, dtype),
         "lora_bytes": s["max_loras"] * spec.lora_slot_bytes(s["max_lora_rank"], memory.dtype_bytes(dtype), tp),
     }
+    if s["max_loras"]:  # the adapters' float32 shrink results, at most three slices of max_lora_rank a row
+        inputs["activation_bytes"] += s["max_num_batched_tokens"] * 3 * s["max_lora_rank"] * 4
     try:
         plan = memory.plan_kv_cache(
             total_bytes=device["total_bytes"], utilization=s["gpu_memory_utilization"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from nanoinfer.engine.block_manager import root_hash
 from nanoinfer.outputs import Logprob
 from nanoinfer.pooling import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoinfer.lora.request import LoRARequest
 
 
 class SequenceStatus(enum.Enum):
@@ -123,7 +127,7 @@ class Request:
     prompt_logprobs_start: int = 1
     pooling: PoolingParams | None = None  # an embedding request (sampling_params then has max_tokens 0)
     first_pooled_position: int = 0  # the first prompt position whose hidden state its vector needs
-    lora_request: object | None = None  # the LoRARequest it runs with (None: the base model)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # One entry a prompt token, filled as the prompt is computed: None before prompt_logprobs_start, then Logprobs.
     prompt_logprobs: list[Logprob | None] | None = field(default=None, init=False)
 

@@ -30,8 +30,10 @@ def adaptable_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def slice_names(model: nn.Module, path: str, layer: nn.Module) -> list[str]:
-    """The PEFT module name of each slice of our layer at `path`, in slice order (q, k, v; gate, up; or the layer)."""
-    if not isinstance(layer, ColumnParallelLinear) or len(layer.output_sizes) == 1:
+    """The PEFT module name of each slice of our layer at `path`, in slice order (q, k, v, or those a Gemma 4 layer
+    holds; gate, up; or the layer itself)."""
+    if not isinstance(layer, QKVParallelLinear) and (not isinstance(layer, ColumnParallelLinear)
+                                                     or len(layer.output_sizes) == 1):  # fmt: skip
         return [path]
     prefix, fused = path.rsplit(".", 1)
     by_shard = {(f, shard): fragment for fragment, (f, shard) in model.packed_modules.items()}
@@ -39,19 +41,21 @@ def slice_names(model: nn.Module, path: str, layer: nn.Module) -> list[str]:
     return [f"{prefix}.{by_shard[(fused, shard)]}" for shard in shards]
 
 
-def lora_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Every module name an adapter may target (HF's: each slice, and a fused layer whole) -> (in, out) features of
-    the whole model (a tensor-parallel rank's layers scaled back up). Read before the platform packs the weights."""
-    shapes = {}
+def lora_targets(model: nn.Module) -> tuple[dict[str, tuple[int, int]], tuple[tuple[int, int, bool], ...]]:
+    """(every module name an adapter may target (HF's: each slice, and a fused layer whole) -> (in, out) features;
+    every slice a slot holds as (in, out, row-parallel)), of the whole model (a tensor-parallel rank's layers scaled
+    back up). Read before the platform packs the weights."""
+    shapes, slices = {}, []
     for path, layer in adaptable_layers(model).items():
         column = isinstance(layer, ColumnParallelLinear)
         fan_in = layer.weight.shape[1] * (1 if column else layer.tp_size)
         sizes = [size * layer.tp_size for size in layer.output_sizes] if column else [layer.weight.shape[0]]
         for name, size in zip(slice_names(model, path, layer), sizes):
             shapes[name] = (fan_in, size)
+            slices.append((fan_in, size, not column))
         if len(sizes) > 1:
             shapes[path] = (fan_in, sum(sizes))  # the fused projection as one target (Phi-3's qkv_proj)
-    return shapes
+    return shapes, tuple(slices)
 
 
 class LoRAContext:

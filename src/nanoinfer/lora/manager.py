@@ -13,15 +13,27 @@ import torch
 from torch import nn
 
 from nanoinfer.errors import LoRAError
-from nanoinfer.lora.layers import LoRAContext, LoRALayerWeights, adaptable_layers, lora_shapes, slice_names
-from nanoinfer.lora.peft import read_adapter
-from nanoinfer.lora.request import LoRARequest
+from nanoinfer.lora.layers import LoRAContext, LoRALayerWeights, adaptable_layers, lora_targets, slice_names
+from nanoinfer.lora.peft import PeftAdapter, read_adapter
+from nanoinfer.lora.request import MAX_LORA_INT_ID, LoRARequest
 
-# The warm-up's rows: they run through slot 0 whatever it holds (ModelRunner.warmup_batch), reading no folder.
-WARM_UP_LORA = LoRARequest("nanoinfer-warm-up", 2**62, "/nanoinfer-warm-up")
+
+class _WarmUpLoRA(LoRARequest):
+    """The warm-up's rows: they run through slot 0 whatever it holds (ModelRunner.warmup_batch), reading no folder.
+    Its id is past any a LoRARequest may have, and it equals no LoRARequest (dataclass equality compares classes)."""
+
+    def __post_init__(self):
+        pass
+
+
+WARM_UP_LORA = _WarmUpLoRA("nanoinfer-warm-up", MAX_LORA_INT_ID + 1, "")
 
 
 class LoRAManager:
+    """Adapters from checked folders to the layers' slots. An adapter is checked once (its config and tensor shapes:
+    add_adapter, at admission), its weights read when a step first needs them and kept in host memory up to
+    max_cpu_loras adapters; a step's adapters are copied into slots (activate)."""
+
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int, max_rows: int,
                  device: torch.device):  # fmt: skip
         """Give every adaptable layer of `model` its slots. Call before the platform packs the weights (a layer
@@ -30,7 +42,7 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.context = LoRAContext(max_rows, device)
-        self.shapes = lora_shapes(model)
+        self.shapes, _ = lora_targets(model)
         self.layers: dict[str, tuple[LoRALayerWeights, list[str]]] = {}  # our (fused) module name -> its slices'
         for path, layer in adaptable_layers(model).items():
             layer.lora = LoRALayerWeights(layer, max_loras, max_lora_rank, self.context)
@@ -38,26 +50,36 @@ class LoRAManager:
             self.layers[path] = (layer.lora, slice_names(model, path, layer))
         self.cpu_cache: OrderedDict[int, dict] = OrderedDict()  # lora_int_id -> module -> (A, B), least recent first
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> device slot, least recent first
-        self.requests: dict[int, LoRARequest] = {}
+        self.checked: dict[int, tuple[LoRARequest, PeftAdapter]] = {}  # every adapter seen, by id
+        self.num_slot_loads = 0  # adapters copied into a slot, over the engine's life
 
     @property
     def nbytes(self) -> int:
         """The slots' memory on this rank."""
         return sum(w.nbytes_per_slot for w, _ in self.layers.values()) * self.max_loras
 
-    def add_adapter(self, lora: LoRARequest) -> dict:
-        """Read (and check) the adapter into the host cache, if it is not there; returns its weights."""
-        known = self.requests.get(lora.lora_int_id)
-        if known is not None and known.lora_path != lora.lora_path:
-            raise LoRAError(f"lora_int_id {lora.lora_int_id} names two adapters ({known.lora_name}: {known.lora_path};"
-                            f" {lora.lora_name}: {lora.lora_path}). Give each adapter its own id.")  # fmt: skip
+    def add_adapter(self, lora: LoRARequest) -> PeftAdapter:
+        """Check the adapter against the model (its config and tensor shapes; once an id): a LoRAError if it cannot
+        run. Its weights are read when a step first runs it."""
+        if lora.lora_int_id in self.checked:
+            known, adapter = self.checked[lora.lora_int_id]
+            if known.lora_path != lora.lora_path:
+                raise LoRAError(f"lora_int_id {lora.lora_int_id} names two adapters ({known.lora_name}: "
+                                f"{known.lora_path}; {lora.lora_name}: {lora.lora_path}). Give each its own id.")
+            return adapter
+        adapter = read_adapter(lora.lora_path, self.max_lora_rank, self.shapes, lora.lora_name)
+        self.checked[lora.lora_int_id] = lora, adapter
+        return adapter
+
+    def _weights(self, lora: LoRARequest) -> dict:
+        """The adapter's weights from the host cache, read on a miss (the least recently used one not in a slot
+        dropped past max_cpu_loras: a slot's can be read again)."""
         if lora.lora_int_id in self.cpu_cache:
             self.cpu_cache.move_to_end(lora.lora_int_id)
             return self.cpu_cache[lora.lora_int_id]
-        weights = read_adapter(lora.lora_path, self.max_lora_rank, self.shapes, lora.lora_name).read_weights()
-        self.requests[lora.lora_int_id] = lora
+        weights = self.add_adapter(lora).read_weights()
         self.cpu_cache[lora.lora_int_id] = weights
-        while len(self.cpu_cache) > self.max_cpu_loras:  # the least recent not in a slot (a slot's can be reloaded)
+        while len(self.cpu_cache) > self.max_cpu_loras:
             evicted = next((i for i in self.cpu_cache if i not in self.slots and i != lora.lora_int_id), None)
             if evicted is None:
                 break
@@ -74,7 +96,7 @@ class LoRAManager:
             if lora_id in self.slots:
                 self.slots.move_to_end(lora_id)
                 continue
-            weights = self.add_adapter(lora)
+            weights = self._weights(lora)
             if len(self.slots) < self.max_loras:
                 slot = len(self.slots)
             else:  # the least recently used slot of an adapter this step does not run
@@ -82,6 +104,7 @@ class LoRAManager:
                 slot = self.slots.pop(evicted)
             self._load_slot(slot, weights)
             self.slots[lora_id] = slot
+            self.num_slot_loads += 1
         return {lora_id: self.slots[lora_id] for lora_id in wanted}
 
     def set_step(self, row_loras: list[LoRARequest | None] | None, kept_rows: torch.Tensor | None) -> None:
@@ -90,7 +113,8 @@ class LoRAManager:
         if not row_loras:
             self.context.set_step(None, kept_rows)
             return
-        present = {lora.lora_int_id: lora for lora in row_loras if lora is not None and lora != WARM_UP_LORA}
+        warm_up = WARM_UP_LORA.lora_int_id
+        present = {lora.lora_int_id: lora for lora in row_loras if lora is not None and lora.lora_int_id != warm_up}
         slots = {**self.activate(list(present.values())), WARM_UP_LORA.lora_int_id: 0}
         self.context.set_step([-1 if lora is None else slots[lora.lora_int_id] for lora in row_loras], kept_rows)
 

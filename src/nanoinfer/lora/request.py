@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from nanoinfer.errors import LoRAError
 
+MAX_LORA_INT_ID = 2**62 - 1  # ids hash into the prefix cache's 64-bit keys; larger ones are refused
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -24,9 +26,10 @@ class LoRARequest:
     def __post_init__(self):
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise LoRAError(f"LoRARequest's lora_name must be a non-empty string, got {self.lora_name!r}.")
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise LoRAError(f"LoRARequest {self.lora_name!r}: lora_int_id must be an integer >= 1 (0 is the base "
-                            f"model), got {self.lora_int_id!r}.")  # fmt: skip
+        lora_id = self.lora_int_id
+        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or not 1 <= lora_id <= MAX_LORA_INT_ID:
+            raise LoRAError(f"LoRARequest {self.lora_name!r}: lora_int_id must be an integer from 1 to 2**62 - 1 (0 "
+                            f"is the base model), got {lora_id!r}.")  # fmt: skip
         if not isinstance(self.lora_path, (str, os.PathLike)):
             raise LoRAError(f"LoRARequest {self.lora_name!r}: lora_path must be a folder path, got {self.lora_path!r}.")
         object.__setattr__(self, "lora_path", os.path.abspath(os.path.expanduser(os.fspath(self.lora_path))))

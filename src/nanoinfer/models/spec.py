@@ -76,18 +76,16 @@ class ModelSpec:
     # What a LoRA adapter may target: module name as in the HF checkpoint (each of q/k/v/o, gate/up/down, and a fused
     # qkv_proj / gate_up_proj whole) -> (in, out) features (lora/layers.py)
     lora_shapes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
+    # Every slice an adapter slot holds (a projection, or q/k/v, gate/up of a fused layer): (in, out, row-parallel)
+    lora_slices: tuple[tuple[int, int, bool], ...] = ()
 
     def lora_slot_bytes(self, max_lora_rank: int, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
         """One adapter slot's A and B in every adapted layer, on one rank (lora/layers.py): max_lora_rank rows of A
-        and of B a projection, A sharded by input columns where the layer is (o_proj, down_proj), B by output rows
-        elsewhere. A fused projection's own entry is left out: its slices hold it."""
+        and of B a slice, A sharded by input columns where the layer is row-parallel (o_proj, down_proj), B by
+        output rows elsewhere."""
         tp = tensor_parallel_size
-        elements = 0
-        for name, (fan_in, fan_out) in self.lora_shapes.items():
-            if name.endswith(("qkv_proj", "gate_up_proj")):
-                continue
-            row_parallel = name.endswith(("o_proj", "down_proj"))
-            elements += max_lora_rank * (fan_in // tp + fan_out if row_parallel else fan_in + fan_out // tp)
+        elements = sum(max_lora_rank * (fan_in // tp + fan_out if row_parallel else fan_in + fan_out // tp)
+                       for fan_in, fan_out, row_parallel in self.lora_slices)  # fmt: skip
         return elements * dtype_bytes
 
     @property

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.lora.layers import lora_shapes
+from nanoinfer.lora.layers import lora_targets
 from nanoinfer.models.layers.attention import Attention
 from nanoinfer.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.models.layers.rotary import RotaryEmbedding
@@ -200,6 +200,7 @@ class CausalLM(nn.Module):
         experts = [m for m in self.model.layers.modules() if getattr(m, "uses_expert_method", False)]
         routers = [m for m in self.model.layers.modules() if hasattr(m, "top_k")]
         moe = {}
+        lora_shapes, lora_slices = lora_targets(self)
         linear = tuple(
             LinearAttentionLayerSpec(m.num_k_heads, m.num_v_heads, m.k_head_dim, m.v_head_dim, m.conv_kernel_size)
             for m in self.linear_attention_layers()
@@ -219,5 +220,5 @@ class CausalLM(nn.Module):
             final_norm_params=count(self.model.norm),
             lm_head_params=0 if self.tie_word_embeddings else self.lm_head.weight.numel(),
             supports_tensor_parallel=self.supports_tensor_parallel, linear_attention_layers=linear,
-            lora_shapes=lora_shapes(self), **moe,
+            lora_shapes=lora_shapes, lora_slices=lora_slices, **moe,
         )  # fmt: skip
