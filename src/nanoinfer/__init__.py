@@ -18,7 +18,7 @@ def __getattr__(name):
 
         return getattr(sampling_params, name)
     if name == "LoRARequest":
-        from nanoinfer.lora.request import LoRARequest
+        from nanoinfer.lora_request import LoRARequest
 
         return LoRARequest
     raise AttributeError(name)

@@ -176,7 +176,7 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
     import torch
 
     from nanoinfer.llm import LLM
-    from nanoinfer.lora.request import lora_requests
+    from nanoinfer.lora_request import lora_requests
     from nanoinfer.sampling_params import SamplingParams
 
     device = config.device

@@ -25,7 +25,7 @@ from nanoinfer.errors import (
     RequestError,
     UnservableRequestError,
 )
-from nanoinfer.lora.request import LoRARequest
+from nanoinfer.lora_request import LoRARequest
 from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from nanoinfer.pooling import PoolingParams, first_pooled_position, read_sentence_transformers_folder
 from nanoinfer.sampling_params import SamplingParams

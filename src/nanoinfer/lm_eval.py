@@ -22,7 +22,7 @@ from nanoinfer.engine.block_manager import MIN_SHARED_TOKENS
 from nanoinfer.errors import ConfigError, ConfigProblem, NanoInferError, RequestError
 from nanoinfer.llm import LLM
 from nanoinfer.lora.peft import adapter_rank
-from nanoinfer.lora.request import lora_requests
+from nanoinfer.lora_request import lora_requests
 from nanoinfer.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 try:

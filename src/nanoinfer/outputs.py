@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nanoinfer.lora.request import LoRARequest
+    from nanoinfer.lora_request import LoRARequest
 
 
 @dataclass

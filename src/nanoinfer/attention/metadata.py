@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from nanoinfer.lora.request import LoRARequest
+    from nanoinfer.lora_request import LoRARequest
 
 
 @dataclass

@@ -19,7 +19,7 @@ from nanoinfer.pooling import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nanoinfer.lora.request import LoRARequest
+    from nanoinfer.lora_request import LoRARequest
 
 
 class SequenceStatus(enum.Enum):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from nanoinfer import batch
 from nanoinfer.errors import RequestError, short_repr
-from nanoinfer.lora.request import LoRARequest, lora_requests
+from nanoinfer.lora_request import LoRARequest, lora_requests
 
 if TYPE_CHECKING:
     from nanoinfer.engine.engine import StepStats

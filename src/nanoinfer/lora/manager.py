@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from nanoinfer.errors import LoRAError
-from nanoinfer.lora.layers import LoRAContext, LoRALayerWeights, adaptable_layers, lora_targets, slice_names
+from nanoinfer.lora.layers import LoRAContext, LoRALayerWeights
 from nanoinfer.lora.peft import PeftAdapter, read_adapter
-from nanoinfer.lora.request import MAX_LORA_INT_ID, LoRARequest
+from nanoinfer.lora_request import MAX_LORA_INT_ID, LoRARequest
+from nanoinfer.models.layers.adaptable import adaptable_layers, lora_targets, slice_names
 
 
 class _WarmUpLoRA(LoRARequest):

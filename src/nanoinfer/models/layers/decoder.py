@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.lora.layers import lora_targets
+from nanoinfer.models.layers.adaptable import lora_targets
 from nanoinfer.models.layers.attention import Attention
 from nanoinfer.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.models.layers.rotary import RotaryEmbedding
