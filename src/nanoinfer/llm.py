@@ -13,10 +13,11 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+from nanoinfer.chat.reasoning import THINK_END, THINK_START, prompt_opens_thinking, select_reasoning_parser
 from nanoinfer.config import Config
 from nanoinfer.config_file import make_config
 from nanoinfer.engine.engine import LLMEngine, StepStats
-from nanoinfer.engine.sequence import Request, Sequence
+from nanoinfer.engine.sequence import ReasoningTokens, Request, Sequence
 from nanoinfer.errors import (
     ConfigError,
     ConfigProblem,
@@ -74,6 +75,11 @@ class LLM:
         # (Config has read the folder already: it raises nothing here)
         folder = read_sentence_transformers_folder(config.model) if config.runner == "pooling" else None
         self.embeds_messages = folder is not None and folder.renders_messages
+        # A model that thinks first: how its answers split (chat/reasoning.py); callers may set another or None
+        vocab = self.tokenizer.get_vocab()
+        self.reasoning_parser = select_reasoning_parser(vocab, getattr(self.tokenizer, "chat_template", None))
+        self._thinking_ids = (vocab[THINK_START], vocab[THINK_END]) if THINK_START in vocab and THINK_END in vocab \
+            else None  # single tokens: the engine can hold a grammar back and end a thinking budget on them
 
     # ---- the batch API --------------------------------------------------------------------------------
     def generate(
@@ -202,7 +208,8 @@ class LLM:
         self._check_lora(lora_request)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         request = Request(request_id, token_ids, params, prompt=text, prompt_logprobs_start=prompt_logprobs_start,
-                          pooling=pooling, lora_request=lora_request)
+                          pooling=pooling, lora_request=lora_request,
+                          reasoning=self._reasoning_tokens(params, token_ids))  # fmt: skip
         if pooling is not None:
             request.first_pooled_position = first_pooled_position(self.config.pooling_type, len(token_ids))
         if params.structured_outputs is not None:
@@ -226,6 +233,20 @@ class LLM:
             raise RequestError(f"dimensions is {params.dimensions}, but this model's embeddings have {hidden_size}. "
                                f"Ask for at most {hidden_size}, or leave it out.", code="invalid_pooling_params")
         return params
+
+    def _reasoning_tokens(self, params: SamplingParams, token_ids: list[int]) -> ReasoningTokens | None:
+        """The thinking tokens the engine watches for a request whose budget or grammar needs them (None: the
+        output is taken as it comes); a RequestError for a budget on a model that does not think."""
+        if params.max_reasoning_tokens is None and params.structured_outputs is None:
+            return None
+        if self.reasoning_parser != "think" or self._thinking_ids is None:
+            if params.max_reasoning_tokens is not None:
+                raise RequestError("max_reasoning_tokens needs a model that thinks between <think> and </think> "
+                                   "tokens (Qwen3, SmolLM3, DeepSeek-R1); this one does not. Leave it out.",
+                                   code="invalid_sampling_params")  # fmt: skip
+            return None
+        opened = prompt_opens_thinking(self.tokenizer.decode(token_ids[-16:]))
+        return ReasoningTokens(*self._thinking_ids, opened_by_prompt=opened)
 
     def _check_lora(self, lora: LoRARequest | None) -> None:
         """The adapter read and checked against the model (cached for the steps that run it), or a RequestError."""
@@ -286,7 +307,10 @@ class LLM:
         longest = max(map(len, self.tokenizer.get_vocab()), default=1)
         return 4 * longest * self.config.max_model_len
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                            chat_template_kwargs: dict | None = None) -> str:
+        """The conversation rendered by the model's chat template, with OpenAI `tools` and the template's own options
+        (`chat_template_kwargs`: enable_thinking and friends, as vLLM passes them)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 f"the model {self.config.model} has no chat template, so `messages` cannot be formatted. "
@@ -294,8 +318,10 @@ class LLM:
                 code="chat_template_error",
             )
         try:
+            options = {key: value for key, value in (chat_template_kwargs or {}).items()
+                       if key not in ("messages", "tools", "add_generation_prompt")}  # fmt: skip
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools, **options
             )
         except Exception as e:  # a malformed conversation is the user's to fix
             raise RequestError(f"the chat template could not format these messages: {e}",

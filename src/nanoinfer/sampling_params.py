@@ -125,7 +125,10 @@ class SamplingParams:
             token's logprob (vLLM's): RequestOutput.prompt_logprobs has one entry a prompt token, None for the first.
         skip_special_tokens: drop special tokens from the returned text.
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar (or None); a
-            dict is read as StructuredOutputsParams' fields.
+            dict is read as StructuredOutputsParams' fields. On a model that reasons (`<think>`), it applies to the
+            answer after the reasoning.
+        max_reasoning_tokens: a thinking budget: on a model that reasons (`<think>`), the end-of-thinking token is
+            put in once the reasoning has this many tokens (None: no budget).
     """
 
     n: int = 1
@@ -146,6 +149,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self):
         if self.structured_outputs is not None:
@@ -207,6 +211,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             p.append(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.prompt_logprobs)}")
+        if self.max_reasoning_tokens is not None and (not is_int(self.max_reasoning_tokens)
+                                                      or self.max_reasoning_tokens < 0):  # fmt: skip
+            p.append(f"max_reasoning_tokens must be an integer >= 0, got {_show(self.max_reasoning_tokens)}")
         if not isinstance(self.skip_special_tokens, bool):
             p.append(f"skip_special_tokens must be true or false, got {_show(self.skip_special_tokens)}")
         return p
@@ -223,7 +230,8 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing else to do: no penalties, no logprobs, no grammar (the argmax of the raw logits is
         the token)."""
-        return self.is_greedy and self.logprobs is None and not self.has_penalties and self.structured_outputs is None
+        return (self.is_greedy and self.logprobs is None and not self.has_penalties and self.structured_outputs is None
+                and self.max_reasoning_tokens is None)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -253,9 +253,15 @@ class Scheduler:
             reason = None
             num_appended = 0
             for token_id in token_ids:  # one at a time: the stop rules see each token as plain decoding would
+                if seq.reasoning is not None:
+                    # a spent thinking budget: the end-of-thinking token instead (no speculation: see _speculate)
+                    token_id = seq.reasoning.forced_token() or token_id
+                constrained = seq.grammar_takes(token_id)
+                if seq.reasoning is not None:
+                    seq.reasoning.advance(token_id, first=seq.num_output_tokens == 0)
                 seq.token_ids.append(token_id)
                 num_appended += 1
-                reason = self._stop_reason(seq, token_id)
+                reason = self._stop_reason(seq, token_id, constrained)
                 if reason is not None:
                     break
             if draft:  # proposed tokens that made it into the output (a stop can cut a kept proposal short)
@@ -276,9 +282,11 @@ class Scheduler:
             self._num_unfinished_requests -= 1
             finished.append(seq.request)
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple | None:
+    def _stop_reason(self, seq: Sequence, token_id: int, constrained: bool) -> tuple | None:
+        """Why `seq` ends at `token_id`, just appended, or None. constrained: its grammar held the token (the thinking,
+        end-of-thinking token included, is not the grammar's)."""
         params = seq.params
-        if seq.grammar is not None:  # the mask let only tokens the grammar accepts through
+        if constrained:  # the mask let only tokens the grammar accepts through
             if not seq.grammar.accept_token(token_id):
                 return "error", None, f"the grammar rejected token {token_id} (a bug in nanoinfer; please report it)"
             if seq.grammar.is_terminated():  # the grammar's end (its EOS accepted): the output is complete

@@ -22,6 +22,58 @@ if TYPE_CHECKING:
     from nanoinfer.lora_request import LoRARequest
 
 
+@dataclass(frozen=True)
+class ReasoningTokens:
+    """A request on a model that thinks between two tokens (`<think>` ... `</think>`): their ids, and whether the
+    prompt opened the thinking (the output then starts inside it)."""
+
+    start_id: int
+    end_id: int
+    opened_by_prompt: bool = False
+
+
+class ReasoningState:
+    """Where a sequence's output is: at its first token (which may open the thinking), inside the thinking, or past
+    it. Inside, a grammar waits (it holds the answer, not the thinking) and the thinking budget counts; at the first
+    token the grammar's tokens and the opening one are allowed."""
+
+    def __init__(self, tokens: ReasoningTokens, budget: int | None):
+        self.tokens = tokens
+        self.budget = budget
+        self.open = tokens.opened_by_prompt
+        self.done = False  # past the end-of-thinking token (or the output did not start thinking)
+        self.num_tokens = 0  # reasoning tokens so far
+
+    @property
+    def at_first_token(self) -> bool:
+        """Not yet known whether the output thinks: its first token may be the opening one."""
+        return not self.open and not self.done
+
+    def holds_grammar(self, token_id: int) -> bool:
+        """Is `token_id`, about to be taken, the answer's (a grammar's) rather than the thinking's?"""
+        return self.done or (self.at_first_token and token_id != self.tokens.start_id)
+
+    def forced_token(self) -> int | None:
+        """The end-of-thinking token when the budget is spent and the reasoning still open, else None."""
+        if self.open and self.budget is not None and self.num_tokens >= self.budget:
+            return self.tokens.end_id
+        return None
+
+    def advance(self, token_id: int, first: bool) -> None:
+        """Take the next output token (`first`: the output's first)."""
+        if self.done:
+            return
+        if not self.open:
+            if first and token_id == self.tokens.start_id:
+                self.open = True
+            else:
+                self.done = True  # an answer that does not think
+        elif token_id == self.tokens.end_id:
+            self.open, self.done = False, True
+        else:
+            self.num_tokens += 1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -66,6 +118,19 @@ class Sequence:
         # Embeddings (a pooling request): what the pooler has gathered of the prompt's rows, then the vector.
         self.pooled = None
         self.embedding: list[float] | None = None
+        # A model that reasons: where the output is (a grammar holds only the answer after the thinking).
+        reasoning = request.reasoning
+        self.reasoning = ReasoningState(reasoning, request.sampling_params.max_reasoning_tokens) if reasoning else None
+
+    @property
+    def is_constrained(self) -> bool:
+        """Does the grammar mask the next token (it has one, and no thinking is open: at the first token of a model
+        that may think, the opening token is allowed beside the grammar's)?"""
+        return self.grammar is not None and (self.reasoning is None or not self.reasoning.open)
+
+    def grammar_takes(self, token_id: int) -> bool:
+        """Does the grammar take `token_id`, about to be appended (not a token of the thinking)?"""
+        return self.grammar is not None and (self.reasoning is None or self.reasoning.holds_grammar(token_id))
 
     @property
     def params(self) -> SamplingParams:
@@ -128,6 +193,7 @@ class Request:
     pooling: PoolingParams | None = None  # an embedding request (sampling_params then has max_tokens 0)
     first_pooled_position: int = 0  # the first prompt position whose hidden state its vector needs
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    reasoning: ReasoningTokens | None = None  # a model that thinks first: its thinking tokens
     # One entry a prompt token, filled as the prompt is computed: None before prompt_logprobs_start, then Logprobs.
     prompt_logprobs: list[Logprob | None] | None = field(default=None, init=False)
 

@@ -20,7 +20,21 @@ shared prompt. Tensor parallelism splits the weights of each layer across device
 def main(): print("hello world") # code, json {"key": [1, 2, 3]} and punctuation !?;:'"()[]{}<>
 """ * 4
 
-def build_tokenizer(vocab_size: int = 512):
+# A Qwen3 / DeepSeek-R1 style template for the "thinking" tokenizer: tools listed in a system turn, the generation
+# prompt opening the thinking unless enable_thinking is false (which closes an empty one), as those templates do.
+THINKING_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n{% endif %}"
+    + CHAT_TEMPLATE.removesuffix("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    + "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
+)
+THINKING_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def build_tokenizer(vocab_size: int = 512, thinking: bool = False):
+    """A BPE tokenizer trained on CORPUS; `thinking`: with <think> / </think> / <tool_call> / </tool_call> as tokens
+    of their own (not special: they stay in decoded text, as Qwen3's) and THINKING_CHAT_TEMPLATE."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,15 +51,19 @@ def build_tokenizer(vocab_size: int = 512):
         additional_special_tokens=["<|im_start|>"],
     )
     fast.chat_template = CHAT_TEMPLATE
+    if thinking:
+        fast.add_tokens(THINKING_TOKENS)
+        fast.chat_template = THINKING_CHAT_TEMPLATE
     return fast
 
 
 def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidden_size: int = 64,
                      num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
                      max_position_embeddings: int = 2048, tie_word_embeddings: bool | None = None,
-                     seed: int = 0, **options) -> Path:
+                     seed: int = 0, thinking: bool = False, **options) -> Path:
     """Save a random-weight model of `family` (a key of TINY_FAMILIES) to `path` and return it. `options` are
-    config fields that replace the family's own test options (e.g. sliding_window).
+    config fields that replace the family's own test options (e.g. sliding_window). `thinking`: the tokenizer and
+    chat template of a model that thinks first and calls tools (build_tokenizer).
 
     Weights are drawn with a larger std than HF's default so that logits are spread out: near-ties
     between the top two tokens would make greedy comparisons depend on float rounding.
@@ -56,7 +74,7 @@ def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidd
     if family not in TINY_FAMILIES:
         raise ValueError(f"family must be one of {', '.join(TINY_FAMILIES)}")
     path = Path(path)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(thinking=thinking)
     common = dict(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
