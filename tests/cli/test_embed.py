@@ -17,10 +17,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from nanoinfer import batch
 from nanoinfer.cli import app
 from nanoinfer.cli import embed as embed_cli
-from nanoinfer.embed_batch import encode_embedding, parse_embedding
+from nanoinfer.jsonl.embed import parse_embedding
+from nanoinfer.jsonl.manifest import manifest_path
+from nanoinfer.jsonl.openai import encode_embedding
+from nanoinfer.jsonl.reader import BatchReader
 from nanoinfer.testing.st_folders import make_st_folder
 from nanoinfer.testing.tiny_models import build_tiny_model
 
@@ -215,7 +217,7 @@ def test_resume_cuts_a_torn_line_and_finishes_without_duplicates(job, outputs, t
     out = tmp_path / "out.jsonl"
     whole = reference_out.read_bytes().split(b"\n")
     out.write_bytes(b"\n".join(whole[:3]) + b"\n" + whole[3][:17])  # three records, then a write cut short
-    shutil.copy(batch.manifest_path(reference_out), batch.manifest_path(out))
+    shutil.copy(manifest_path(reference_out), manifest_path(out))
     result = invoke(job["source"], "-o", out, "--resume", "--model", job["folders"]["mean"], *ENGINE_ARGS)
     assert result.exit_code == 0, result.output
     assert "resuming" in result.output and "cut 17 bytes" in result.output
@@ -259,7 +261,7 @@ def test_resume_refuses_another_pooling_or_input(job, outputs, tmp_path, no_mode
     reference_out, _ = outputs["mean"]
     out = tmp_path / "out.jsonl"
     shutil.copy(reference_out, out)
-    shutil.copy(batch.manifest_path(reference_out), batch.manifest_path(out))
+    shutil.copy(manifest_path(reference_out), manifest_path(out))
     result = invoke(job["source"], "-o", out, "--resume", "--model", job["folders"]["mean"], *ENGINE_ARGS,
                     "--pooling", "cls")
     assert result.exit_code == 2 and "'pooling_type': 'mean'" in result.output and "'cls'" in result.output
@@ -307,7 +309,7 @@ def test_embed_always_runs_the_pooling_runner_with_the_folders_pooling(job, tmp_
 def parse(*lines, defaults=None):
     raw = [(line if isinstance(line, str) else json.dumps(line)).encode() for line in lines]
     defaults = defaults or {"dimensions": None, "encoding_format": "float"}
-    return list(batch.BatchReader(raw, defaults, parse=parse_embedding))
+    return list(BatchReader(raw, defaults, parse=parse_embedding))
 
 
 def test_line_problems_get_their_own_codes():
@@ -350,7 +352,7 @@ def test_base64_and_float_are_the_same_float32s():
 
 def test_generate_points_embeddings_lines_at_embed():
     raw = [json.dumps(openai_line("e", {"input": "x"})).encode()]
-    (error,) = batch.BatchReader(raw, {"max_tokens": 4})
+    (error,) = BatchReader(raw, {"max_tokens": 4})
     assert error.code == "unsupported_url" and "`nanoinfer embed`" in error.message
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoinfer import batch
 from nanoinfer.cli.generate import EXIT_CLOSED_PIPE, EXIT_OUTPUT_FAILED
 from nanoinfer.errors import OutputWriteError
+from nanoinfer.jsonl.manifest import manifest_path, read_manifest
+from nanoinfer.jsonl.writer import RecordWriter
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 NUM_PROMPTS = 120
@@ -85,7 +86,7 @@ def test_a_full_disk_stops_the_job_cleanly_and_resume_finishes_it(job, tmp_path)
         partial = read_records(output)  # every record whole: the torn one was cut off
         assert 0 < len(partial) < NUM_PROMPTS
         assert f"{len(partial)} of {NUM_PROMPTS} records are safely in" in failed.stderr
-        assert batch.read_manifest(batch.manifest_path(output))["input"]["num_lines"] == NUM_PROMPTS
+        assert read_manifest(manifest_path(output))["input"]["num_lines"] == NUM_PROMPTS
 
         subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
         resumed = run(source, output, flags, "--resume")
@@ -123,7 +124,7 @@ def test_a_closed_pipe_ends_the_job_quietly(job, tmp_path):
 
 def test_a_write_cut_short_is_cut_back_to_the_last_whole_record(tmp_path, monkeypatch):
     path = tmp_path / "out.jsonl"
-    writer = batch.RecordWriter(path)
+    writer = RecordWriter(path)
     writer.write({"id": "a", "line": 1})
     real_write = os.write
 
@@ -132,7 +133,7 @@ def test_a_write_cut_short_is_cut_back_to_the_last_whole_record(tmp_path, monkey
             return real_write(fd, bytes(data[: len(data) // 2]))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(batch.os, "write", half_then_full)
+    monkeypatch.setattr(os, "write", half_then_full)
     with pytest.raises(OutputWriteError, match="No space left on device") as failure:
         writer.write({"id": "b", "line": 2})
     assert failure.value.errno == errno.ENOSPC and not failure.value.closed_pipe

@@ -7,17 +7,18 @@ from __future__ import annotations
 import math
 import random
 
-from nanoinfer import batch
 from nanoinfer.jobs.dispatch import Dispatcher
+from nanoinfer.jsonl.lines import NATIVE, LineError
+from nanoinfer.jsonl.requests import BatchRequest
 from nanoinfer.sampling_params import SamplingParams
 
 
-def request(line: int) -> batch.BatchRequest:
-    return batch.BatchRequest(line, f"id{line}", batch.NATIVE, SamplingParams(max_tokens=4), prompt=f"p{line}")
+def request(line: int) -> BatchRequest:
+    return BatchRequest(line, f"id{line}", NATIVE, SamplingParams(max_tokens=4), prompt=f"p{line}")
 
 
-def bad_line(line: int) -> batch.LineError:
-    return batch.LineError(line, f"id{line}", batch.NATIVE, "invalid_json", f"line {line}: is not valid JSON")
+def bad_line(line: int) -> LineError:
+    return LineError(line, f"id{line}", NATIVE, "invalid_json", f"line {line}: is not valid JSON")
 
 
 def dispatcher(items, max_in_flight: int, num_replicas: int) -> Dispatcher:

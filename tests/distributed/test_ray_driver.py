@@ -11,9 +11,10 @@ import pytest
 
 pytest.importorskip("ray")
 
-from nanoinfer import batch  # noqa: E402
 from nanoinfer.jobs import ray_replicas  # noqa: E402
 from nanoinfer.jobs.line_runner import FinishedLine  # noqa: E402
+from nanoinfer.jsonl.lines import NATIVE  # noqa: E402
+from nanoinfer.jsonl.requests import BatchRequest  # noqa: E402
 from nanoinfer.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -111,7 +112,7 @@ def test_a_replica_restarted_while_idle_has_its_lines_retried_and_every_line_is_
     monkeypatch.setattr(ray_replicas, "ray", fake_ray)
     pool = _Pool([FakeActor(restart_after=1), FakeActor()])
     writer, progress, stopper = _Writer(), _Progress(), _Stopper(limit=20_000)
-    requests = [batch.BatchRequest(i, f"id{i}", batch.NATIVE, SamplingParams(max_tokens=4), prompt="p")
+    requests = [BatchRequest(i, f"id{i}", NATIVE, SamplingParams(max_tokens=4), prompt="p")
                 for i in range(1, 7)]
     driver = ray_replicas._Driver(pool, requests, writer, progress, 4, stopper)
     driver.run()

@@ -21,8 +21,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from nanoinfer import batch
 from nanoinfer.cli import app
+from nanoinfer.jsonl.reader import BatchReader
+from nanoinfer.jsonl.records import record_line_number
+from nanoinfer.jsonl.writer import RecordWriter
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 ray = pytest.importorskip("ray")
@@ -100,7 +102,7 @@ def by_line(records: list[dict]) -> dict[int, dict]:
     """Records keyed by input line, each line once; OpenAI records lose their `created` time."""
     keyed = {}
     for record in records:
-        line = batch.record_line_number(record)
+        line = record_line_number(record)
         assert line not in keyed, f"line {line} has two records"
         body = (record.get("response") or {}).get("body") or {}
         body.pop("created", None)
@@ -261,10 +263,10 @@ def test_a_line_that_keeps_killing_replicas_gets_an_error_record_and_the_job_goe
     notes: list[str] = []
     pool = ray_replicas.ReplicaPool(config, 2, notify=notes.append, replica_cls=PoisonReplica)
     out = tmp_path / "out.jsonl"
-    writer = batch.RecordWriter(out)
+    writer = RecordWriter(out)
     progress = JobProgress(len(lines), plain=True, log_seconds=1e9)
     try:
-        reader = batch.BatchReader(lines, {"temperature": 0, "max_tokens": 4})
+        reader = BatchReader(lines, {"temperature": 0, "max_tokens": 4})
         ray_replicas.stream_requests(pool, reader, writer, progress, 4, Stopper())
     finally:
         writer.close()

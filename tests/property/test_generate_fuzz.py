@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from nanoinfer import batch
 from nanoinfer.cli import app
+from nanoinfer.jsonl.records import record_line_number
 from nanoinfer.testing.tiny_models import build_tiny_model
 
 NUM_LINES = int(os.environ.get("NANOINFER_FUZZ_LINES", "2000"))
@@ -210,7 +210,7 @@ def test_no_line_can_take_the_job_down(tiny_model, clean_texts, tmp_path_factory
     assert "Traceback" not in result.output
     assert out.endswith(b"\n") or not out
     records = [json.loads(line) for line in out.splitlines()]  # every record parses
-    lines = sorted(batch.record_line_number(r) for r in records)
+    lines = sorted(record_line_number(r) for r in records)
     assert lines == non_blank_line_numbers(data)  # exactly one record per non-blank line
     by_id = {r.get("id"): r for r in records}
     for k, index in enumerate(valid):

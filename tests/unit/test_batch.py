@@ -1,4 +1,4 @@
-"""nanoinfer.batch and the `generate` loop: every bad-input case gets its error record while the other lines
+"""nanoinfer.jsonl and the `generate` loop: every bad-input case gets its error record while the other lines
 still get results; the OpenAI batch format round-trips; stdin/stdout mode; bounded in-flight requests."""
 
 from __future__ import annotations
@@ -12,10 +12,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from nanoinfer import batch
 from nanoinfer.cli import app
 from nanoinfer.cli import generate as generate_cli
 from nanoinfer.engine.engine import StepStats
+from nanoinfer.jsonl.lines import NATIVE, LineError, json_depth
+from nanoinfer.jsonl.manifest import prepare_resume
+from nanoinfer.jsonl.reader import _READ_CHUNK, BatchReader, LineTooLong, iter_lines, scan_input
+from nanoinfer.jsonl.records import record_line_number, result_record
+from nanoinfer.jsonl.requests import BatchRequest
+from nanoinfer.jsonl.writer import RecordWriter, encode_record
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.progress import JobProgress
 from nanoinfer.testing.tiny_models import build_tiny_model
@@ -383,8 +388,8 @@ def test_input_is_read_lazily(tmp_path):
     llm = CountingLLM(_Config())
     consumed_at_first_step = []
     llm.on_first_step = lambda: consumed_at_first_step.append(consumed)
-    reader = batch.BatchReader(lines(), {"max_tokens": 4})
-    writer = batch.RecordWriter(tmp_path / "out.jsonl")
+    reader = BatchReader(lines(), {"max_tokens": 4})
+    writer = RecordWriter(tmp_path / "out.jsonl")
     stopper = generate_cli.Stopper()
     generate_cli.stream_requests(llm, reader, writer, JobProgress(None, plain=True), 10, stopper)
     writer.close()
@@ -395,23 +400,23 @@ def test_input_is_read_lazily(tmp_path):
 
 # ---- pure parsing and bookkeeping ---------------------------------------------------------------------------
 def parse_all(lines: list[bytes], done: set[int] = frozenset()):
-    return list(batch.BatchReader(lines, {"max_tokens": 8}, set(done)))
+    return list(BatchReader(lines, {"max_tokens": 8}, set(done)))
 
 
 def test_json_depth_ignores_brackets_inside_strings():
-    assert batch.json_depth(b'{"a": [[1], {"b": [2]}]}') == 0  # few brackets: not even scanned
+    assert json_depth(b'{"a": [[1], {"b": [2]}]}') == 0  # few brackets: not even scanned
     deep = b'{"a": ' + b"[" * 70 + b"]" * 70 + b"}"
-    assert batch.json_depth(deep) == 71
+    assert json_depth(deep) == 71
     quoted = json.dumps({"prompt": "[" * 500 + '\\"{' * 100}).encode()
-    assert batch.json_depth(quoted) == 1
+    assert json_depth(quoted) == 1
 
 
 def test_scan_input_counts_lines_that_span_its_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(batch, "_READ_CHUNK", 7)
+    monkeypatch.setattr("nanoinfer.jsonl.reader._READ_CHUNK", 7)
     path = tmp_path / "in.jsonl"
     path.write_bytes(b'\xef\xbb\xbf\n{"prompt": "a long line"}\n   \n\n{"prompt": "b"}')
-    digest, num_lines = batch.scan_input(path)
-    assert num_lines == 2 == sum(1 for _ in batch.iter_lines(open(path, "rb")))
+    digest, num_lines = scan_input(path)
+    assert num_lines == 2 == sum(1 for _ in iter_lines(open(path, "rb")))
 
 
 def test_an_over_long_line_is_read_in_chunks_never_whole(monkeypatch):
@@ -425,11 +430,11 @@ def test_an_over_long_line_is_read_in_chunks_never_whole(monkeypatch):
             return super().readline(size)
 
     data = b'{"prompt": "a"}\n' + b"x" * 5000 + b"\n" + b'{"prompt": "b"}\n'
-    lines = list(batch.iter_lines(Stream(data), max_line_bytes=100))
+    lines = list(iter_lines(Stream(data), max_line_bytes=100))
     assert [n for n, _ in lines] == [1, 2, 3]
-    assert isinstance(lines[1][1], batch.LineTooLong) and lines[1][1].num_bytes == 5001
+    assert isinstance(lines[1][1], LineTooLong) and lines[1][1].num_bytes == 5001
     assert lines[2][1] == b'{"prompt": "b"}\n'
-    assert all(0 < size <= max(102, batch._READ_CHUNK) for size in sizes)
+    assert all(0 < size <= max(102, _READ_CHUNK) for size in sizes)
 
 
 @pytest.mark.parametrize(
@@ -479,7 +484,7 @@ def test_ids_default_to_the_line_number_and_blank_lines_count():
 def test_resume_keeps_duplicate_decisions_of_skipped_lines():
     lines = [b'{"id": "a", "prompt": "x"}\n', b'{"id": "a", "prompt": "y"}\n']
     items = parse_all(lines, done={1})
-    assert len(items) == 1 and isinstance(items[0], batch.LineError) and items[0].code == "duplicate_id"
+    assert len(items) == 1 and isinstance(items[0], LineError) and items[0].code == "duplicate_id"
 
 
 def test_prompt_fields_must_be_exactly_one():
@@ -488,9 +493,9 @@ def test_prompt_fields_must_be_exactly_one():
 
 
 def test_record_is_one_ascii_line_whatever_the_text():
-    request = batch.BatchRequest(1, "x", batch.NATIVE, params=None)
+    request = BatchRequest(1, "x", NATIVE, params=None)
     output = RequestOutput("1", None, [1], [CompletionOutput(0, "a\u2028b\nc\u00e9", [1, 2], "length")])
-    data = batch.encode_record(batch.result_record(request, output, str))
+    data = encode_record(result_record(request, output, str))
     assert data.count(b"\n") == 1 and data.endswith(b"\n")
     assert json.loads(data)["text"] == "a\u2028b\nc\u00e9"
 
@@ -499,7 +504,7 @@ def test_prepare_resume_cuts_a_torn_last_line(tmp_path):
     out = tmp_path / "out.jsonl"
     good = b'{"id":"a","line":1}\n{"id":"b","line":2}\n'
     out.write_bytes(good + b'{"id":"c","li')
-    state = batch.prepare_resume(out)
+    state = prepare_resume(out)
     assert state.done_lines == {1, 2} and state.num_cut_bytes == len(b'{"id":"c","li')
     assert out.read_bytes() == good
 
@@ -507,15 +512,15 @@ def test_prepare_resume_cuts_a_torn_last_line(tmp_path):
 def test_prepare_resume_drops_everything_after_garbage(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_bytes(b'{"id":"a","line":1}\n\x00\x00\x00\n{"id":"c","line":3}\n')
-    state = batch.prepare_resume(out)
+    state = prepare_resume(out)
     assert state.done_lines == {1} and state.num_dropped_records == 1
     assert out.read_bytes() == b'{"id":"a","line":1}\n'
 
 
 def test_openai_records_carry_their_line_in_the_id():
-    assert batch.record_line_number({"id": "batch_req_line42", "custom_id": "x"}) == 42
-    assert batch.record_line_number({"id": "x", "line": 3}) == 3
-    assert batch.record_line_number({"id": "x"}) is None
+    assert record_line_number({"id": "batch_req_line42", "custom_id": "x"}) == 42
+    assert record_line_number({"id": "x", "line": 3}) == 3
+    assert record_line_number({"id": "x"}) is None
 
 
 # ---- prompt logprobs: native records and OpenAI's echo -------------------------------------------------------

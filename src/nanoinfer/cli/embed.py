@@ -2,7 +2,7 @@
 
 The job machinery is generate's (cli/generate.py: file checks, resume manifest, RecordWriter, progress, signals,
 exit codes); this module adds the embedding flags, forces runner=pooling, and plugs in the embedding line parser
-(embed_batch.py) and EmbedLineRunner (jobs/embed_runner.py).
+(jsonl/embed.py) and EmbedLineRunner (jobs/embed_runner.py).
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from typing import Annotated
 
 import typer
 
-from nanoinfer import batch
 from nanoinfer.cli import app, err_console, user_errors
 from nanoinfer.cli import generate as generate_cli
 from nanoinfer.cli.engine_options import LORA_FIELDS, EngineOptions, engine_options
-from nanoinfer.embed_batch import ENCODING_FORMATS, parse_embedding
 from nanoinfer.errors import BatchFileError
 from nanoinfer.jobs.embed_runner import EmbedLineRunner
+from nanoinfer.jsonl.embed import parse_embedding
+from nanoinfer.jsonl.openai import ENCODING_FORMATS
+from nanoinfer.jsonl.reader import MAX_LINE_BYTES, scan_input
 
 _EMBEDDING = "Embeddings (a line's own fields win)"
 
@@ -50,7 +51,7 @@ def embed(
         typer.Option("--max-in-flight", help="Most requests (inputs) in the engine at once (default 4 x "
                      f"max_num_seqs, at most {generate_cli.MAX_IN_FLIGHT_CAP})."),
     ] = None,
-    max_line_bytes: generate_cli.MaxLineBytesOption = batch.MAX_LINE_BYTES,
+    max_line_bytes: generate_cli.MaxLineBytesOption = MAX_LINE_BYTES,
     log_level: generate_cli.LogLevelOption = None,
 ):
     """Embed every line of a JSONL file, writing one JSONL record per line.
@@ -100,7 +101,7 @@ def prepare_job(input: str, output: str, engine: EngineOptions, dimensions: int 
         raise BatchFileError(f"--dimensions must be >= 1 (or left out: all of them), got {dimensions}.")
     if max_line_bytes < 1:
         raise BatchFileError(f"--max-line-bytes must be >= 1, got {max_line_bytes}.")
-    sha256, num_lines = batch.scan_input(input_path) if input_path is not None else (None, None)
+    sha256, num_lines = scan_input(input_path) if input_path is not None else (None, None)
     engine.overrides["runner"] = "pooling"
     config = engine.build()
     hidden_size = config.hf_config.hidden_size

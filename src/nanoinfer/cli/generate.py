@@ -2,7 +2,7 @@
 
 Checks the files, the config and the resume manifest before any model loads, then reads the input lazily,
 keeps at most --max-in-flight requests in the engine and writes each record as its request finishes.
-Parsing lines and writing records is `nanoinfer.batch`'s job; the bar and summary are `nanoinfer.progress`'s.
+Parsing lines and writing records is `nanoinfer.jsonl`'s job; the bar and summary are `nanoinfer.progress`'s.
 """
 
 from __future__ import annotations
@@ -21,11 +21,22 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from nanoinfer import batch
 from nanoinfer.cli import app, err_console, user_errors
 from nanoinfer.cli.engine_options import POOLING_FIELDS, EngineOptions, engine_options
 from nanoinfer.errors import BatchFileError, NanoInferError, OutputWriteError, ReplicaError, RequestError
 from nanoinfer.jobs.line_runner import FinishedLine, LineRunner
+from nanoinfer.jsonl.lines import BadLine
+from nanoinfer.jsonl.manifest import (
+    make_manifest,
+    manifest_differences,
+    manifest_path,
+    prepare_resume,
+    read_manifest,
+    write_manifest,
+)
+from nanoinfer.jsonl.reader import MAX_LINE_BYTES, BatchReader, scan_input
+from nanoinfer.jsonl.requests import ANY_WHITESPACE_DEFAULT, DEFAULT_MAX_TOKENS, make_params
+from nanoinfer.jsonl.writer import RecordWriter
 from nanoinfer.progress import JobProgress
 
 logger = logging.getLogger("nanoinfer")
@@ -71,7 +82,7 @@ class Job:
     resume: bool
     overwrite: bool
     max_in_flight: int
-    max_line_bytes: int = batch.MAX_LINE_BYTES
+    max_line_bytes: int = MAX_LINE_BYTES
     total: int | None = None
     manifest: dict | None = None
     command: str = "generate"  # the subcommand running the job (`embed` reuses all of this), for messages
@@ -138,7 +149,7 @@ def generate(
         int | None,
         _opt(
             "--max-tokens",
-            help=f"Most tokens to generate per sequence (default {batch.DEFAULT_MAX_TOKENS}).",
+            help=f"Most tokens to generate per sequence (default {DEFAULT_MAX_TOKENS}).",
             panel=_SAMPLING,
         ),
     ] = None,
@@ -186,7 +197,7 @@ def generate(
             f"{MAX_IN_FLIGHT_CAP}).",
         ),
     ] = None,
-    max_line_bytes: MaxLineBytesOption = batch.MAX_LINE_BYTES,
+    max_line_bytes: MaxLineBytesOption = MAX_LINE_BYTES,
     log_level: LogLevelOption = None,
     data_parallel_size: Annotated[
         int,
@@ -236,7 +247,7 @@ def generate(
         "n": n,
         "logprobs": logprobs,
         "structured_outputs": json_schema,  # the file's path: prepare_job reads it
-        batch.ANY_WHITESPACE_DEFAULT: json_any_whitespace,
+        ANY_WHITESPACE_DEFAULT: json_any_whitespace,
     }
     stopper = Stopper()
     stopper.install()
@@ -310,15 +321,15 @@ def prepare_job(
     """Every file-level and config check; raises a NanoInferError (exit 2) before anything is loaded."""
     input_path, output_path = check_files(input, output, resume, overwrite)
     sampling_defaults = {k: v for k, v in flags.items() if v is not None}
-    sampling_defaults.setdefault("max_tokens", batch.DEFAULT_MAX_TOKENS)
+    sampling_defaults.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if "structured_outputs" in sampling_defaults:
         sampling_defaults["structured_outputs"] = {"json": _read_json_schema(sampling_defaults["structured_outputs"])}
     try:
-        batch.make_params(sampling_defaults, {})
-    except batch.BadLine as e:
+        make_params(sampling_defaults, {})
+    except BadLine as e:
         raise RequestError(f"the sampling flags are invalid: {e.message}") from None
     # Counted before the Config is built: a large job's default for cpu_kernels depends on it.
-    sha256, num_lines = batch.scan_input(input_path) if input_path is not None else (None, None)
+    sha256, num_lines = scan_input(input_path) if input_path is not None else (None, None)
     config = engine.build(defaults=engine_defaults(num_lines, sampling_defaults["max_tokens"]), runner="generate")
     return make_job(input_path, output_path, config, sampling_defaults, resume, overwrite, max_in_flight,
                     sha256, num_lines)
@@ -360,7 +371,7 @@ def make_job(input_path: Path | None, output_path: Path | None, config, sampling
         raise BatchFileError(f"--max-in-flight must be >= 1, got {max_in_flight}.")
     job = Job(input_path, output_path, config, sampling_defaults, resume, overwrite, max_in_flight, total=num_lines)
     if output_path is not None:
-        job.manifest = batch.make_manifest(
+        job.manifest = make_manifest(
             input_path or Path("-"), sha256, num_lines, config, sampling_defaults
         )
         if resume and output_path.exists():
@@ -423,14 +434,14 @@ def _check_output_path(input_path: Path | None, output_path: Path, resume: bool,
 
 
 def _check_manifest(output_path: Path, manifest: dict) -> None:
-    path = batch.manifest_path(output_path)
+    path = manifest_path(output_path)
     if not path.is_file():
         raise BatchFileError(
             f"cannot resume {output_path}: its manifest {path} is missing, so nothing shows "
             "which input, model and settings produced it. Pass --overwrite to start over, "
             "or move the file away."
         )
-    differences = batch.manifest_differences(batch.read_manifest(path), manifest)
+    differences = manifest_differences(read_manifest(path), manifest)
     if differences:
         lines = "\n".join(f"  - {d}" for d in differences)
         raise BatchFileError(
@@ -456,7 +467,7 @@ def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: b
     writer = None
     try:
         done_lines = _start_output(job)
-        writer = batch.RecordWriter(
+        writer = RecordWriter(
             job.output_path, stdout=sys.stdout.buffer if job.output_path is None else None
         )
     except OSError as e:
@@ -473,7 +484,7 @@ def run_job(job: Job, llm, stopper: Stopper, quiet: bool = False, json_output: b
             stream = (
                 sys.stdin.buffer if job.input_path is None else stack.enter_context(open(job.input_path, "rb"))
             )
-            reader = batch.BatchReader(stream, job.sampling_defaults, done_lines, job.max_line_bytes, parse=job.parse)
+            reader = BatchReader(stream, job.sampling_defaults, done_lines, job.max_line_bytes, parse=job.parse)
             with progress:
                 (loop or stream_requests)(llm, reader, writer, progress, job.max_in_flight, stopper)
     except OutputWriteError as e:
@@ -534,7 +545,7 @@ def _start_output(job: Job) -> set[int]:
         return set()
     done_lines: set[int] = set()
     if job.resume and job.output_path.exists():
-        state = batch.prepare_resume(job.output_path)
+        state = prepare_resume(job.output_path)
         done_lines = state.done_lines
         message = f"resuming {job.output_path}: {len(done_lines)} records already written"
         if state.num_cut_bytes:
@@ -544,14 +555,14 @@ def _start_output(job: Job) -> set[int]:
         _note(message)
     elif job.output_path.exists():
         job.output_path.unlink()  # --overwrite: old records go first, so no new manifest vouches for them
-    batch.write_manifest(batch.manifest_path(job.output_path), job.manifest)
+    write_manifest(manifest_path(job.output_path), job.manifest)
     return done_lines
 
 
 def stream_requests(
     llm,
-    reader: batch.BatchReader,
-    writer: batch.RecordWriter,
+    reader: BatchReader,
+    writer: RecordWriter,
     progress: JobProgress,
     max_in_flight: int,
     stopper: Stopper,
@@ -568,7 +579,7 @@ def stream_requests(
             writer.sync_if_due()
 
 
-def write_finished(writer: batch.RecordWriter, progress: JobProgress, finished: FinishedLine) -> None:
+def write_finished(writer: RecordWriter, progress: JobProgress, finished: FinishedLine) -> None:
     writer.write(finished.record)
     progress.on_record(finished.usage, finished.is_error)
 

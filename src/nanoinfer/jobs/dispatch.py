@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from nanoinfer.batch import BatchRequest, LineError
+from nanoinfer.jsonl.lines import LineError
+from nanoinfer.jsonl.requests import BatchRequest
 
 # New lines a replica gets per call, at most: the first replica to ask must not take a whole small job while
 # the others sit idle (benchmarks/README.md, Ray replicas), and a replica asks again with every call it returns

@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from nanoinfer import batch
-from nanoinfer.embed_batch import EmbedRequest, embedding_error_record, embedding_record, sum_usage
 from nanoinfer.errors import RequestError
 from nanoinfer.jobs.line_runner import FinishedLine, LineRunner
+from nanoinfer.jsonl.embed import EmbedRequest, embedding_error_record, embedding_record, sum_usage
+from nanoinfer.jsonl.lines import LineError, internal_error_message
 
 logger = logging.getLogger("nanoinfer")
 
@@ -23,7 +23,7 @@ class _Line:
     request: EmbedRequest
     outputs: list = field(default_factory=list)  # one slot per input, filled as its request finishes
     num_waiting: int = 0  # its requests still in the engine
-    error: batch.LineError | None = None  # the first failure of one of its inputs
+    error: LineError | None = None  # the first failure of one of its inputs
 
 
 class EmbedLineRunner(LineRunner):
@@ -33,8 +33,8 @@ class EmbedLineRunner(LineRunner):
         super().__init__(llm)
         self.pending: dict[str, tuple[_Line, int]] = {}  # request id -> (its line, the input's index)
 
-    def add(self, item: EmbedRequest | batch.LineError) -> FinishedLine | None:
-        if isinstance(item, batch.LineError):
+    def add(self, item: EmbedRequest | LineError) -> FinishedLine | None:
+        if isinstance(item, LineError):
             return _error_line(item)
         line = _Line(item, [None] * len(item.inputs))
         for index, prompt in enumerate(item.inputs):
@@ -46,7 +46,7 @@ class EmbedLineRunner(LineRunner):
                 break
             except Exception as e:  # the per-line boundary: a bug here must not end the job
                 logger.debug("line %d: unexpected error while admitting", item.line, exc_info=True)
-                line.error = self._line_error(line, index, "internal_error", batch.internal_error_message(e))
+                line.error = self._line_error(line, index, "internal_error", internal_error_message(e))
                 break
             self.pending[request_id] = (line, index)
             line.num_waiting += 1
@@ -74,15 +74,15 @@ class EmbedLineRunner(LineRunner):
             record = embedding_record(request, line.outputs)
         except Exception as e:  # a record that cannot be built is that line's error, not the job's
             logger.debug("line %d: unexpected error while building its record", request.line, exc_info=True)
-            return _error_line(self._line_error(line, None, "internal_error", batch.internal_error_message(e)))
+            return _error_line(self._line_error(line, None, "internal_error", internal_error_message(e)))
         return FinishedLine(request.line, record, sum_usage(line.outputs), False)
 
     @staticmethod
-    def _line_error(line: _Line, index: int | None, code: str, message: str) -> batch.LineError:
+    def _line_error(line: _Line, index: int | None, code: str, message: str) -> LineError:
         request = line.request
         where = f"input {index}: " if index is not None and len(request.inputs) > 1 else ""
-        return batch.LineError(request.line, request.id, request.kind, code, f"line {request.line}: {where}{message}")
+        return LineError(request.line, request.id, request.kind, code, f"line {request.line}: {where}{message}")
 
 
-def _error_line(error: batch.LineError) -> FinishedLine:
+def _error_line(error: LineError) -> FinishedLine:
     return FinishedLine(error.line, embedding_error_record(error), None, True)

@@ -13,8 +13,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanoinfer import batch
 from nanoinfer.errors import RequestError, short_repr
+from nanoinfer.jsonl.lines import LineError, internal_error_message
+from nanoinfer.jsonl.records import error_record, result_record
+from nanoinfer.jsonl.requests import BatchRequest
 from nanoinfer.lora_request import LoRARequest, lora_requests
 
 if TYPE_CHECKING:
@@ -33,8 +35,8 @@ class FinishedLine:
     is_error: bool
 
 
-def error_line(error: batch.LineError) -> FinishedLine:
-    return FinishedLine(error.line, batch.error_record(error), None, True)
+def error_line(error: LineError) -> FinishedLine:
+    return FinishedLine(error.line, error_record(error), None, True)
 
 
 class LineRunner:
@@ -42,13 +44,13 @@ class LineRunner:
 
     def __init__(self, llm):
         self.llm = llm
-        self.pending: dict[str, batch.BatchRequest] = {}
+        self.pending: dict[str, BatchRequest] = {}
         self.loras = lora_requests(llm.config.loras)
         self._decode = lambda token_id: llm.tokenizer.decode([token_id])
 
-    def add(self, item: batch.BatchRequest | batch.LineError) -> FinishedLine | None:
+    def add(self, item: BatchRequest | LineError) -> FinishedLine | None:
         """Queue a line in the engine (None), or return its error record at once."""
-        if isinstance(item, batch.LineError):
+        if isinstance(item, LineError):
             return error_line(item)
         error = admit(self.llm, item, self.loras)
         if error is not None:
@@ -56,7 +58,7 @@ class LineRunner:
         self.pending[str(item.line)] = item
         return None
 
-    def run(self, items: Iterable[batch.BatchRequest | batch.LineError], max_in_flight: int,
+    def run(self, items: Iterable[BatchRequest | LineError], max_in_flight: int,
             stopping: Callable[[], bool] = lambda: False) -> Iterator[FinishedLine | StepStats]:
         """Admit lines while fewer than max_in_flight are in the engine and step it, yielding each finished line
         and each step's StepStats, until every line is done (or `stopping()`: lines in the engine are left)."""
@@ -83,24 +85,24 @@ class LineRunner:
             request = self.pending.pop(output.request_id)
             if output.finish_reason == "error":
                 code = getattr(output, "error_code", None) or "request_failed"  # e.g. a grammar that cannot compile
-                finished.append(error_line(batch.LineError(
+                finished.append(error_line(LineError(
                     request.line, request.id, request.kind, code, f"line {request.line}: {output.error}"
                 )))
             else:
                 finished.append(self._result(request, output))
         return finished, stats
 
-    def _result(self, request: batch.BatchRequest, output) -> FinishedLine:
+    def _result(self, request: BatchRequest, output) -> FinishedLine:
         try:
-            record = batch.result_record(request, output, self._decode)
+            record = result_record(request, output, self._decode)
         except Exception as e:  # a record that cannot be built is that line's error, not the job's
             logger.debug("line %d: unexpected error while building its record", request.line, exc_info=True)
-            return error_line(batch.LineError(request.line, request.id, request.kind, "internal_error",
-                                              f"line {request.line}: {batch.internal_error_message(e)}"))
+            return error_line(LineError(request.line, request.id, request.kind, "internal_error",
+                                              f"line {request.line}: {internal_error_message(e)}"))
         return FinishedLine(request.line, record, output.usage, False)
 
 
-def select_lora(request: batch.BatchRequest, loras: dict[str, LoRARequest]) -> LoRARequest | None:
+def select_lora(request: BatchRequest, loras: dict[str, LoRARequest]) -> LoRARequest | None:
     """The adapter a line runs with (None: the base model): a native line's "lora", or an OpenAI line's body.model
     when it names one (any other model name is the base model, as in vLLM). A name the job lacks is a RequestError."""
     if request.is_openai:
@@ -117,7 +119,7 @@ def select_lora(request: batch.BatchRequest, loras: dict[str, LoRARequest]) -> L
     raise RequestError(f"lora {name} is not one of this job's LoRA adapters ({known}). {add}.", code="unknown_lora")
 
 
-def admit(llm, request: batch.BatchRequest, loras: dict[str, LoRARequest]) -> batch.LineError | None:
+def admit(llm, request: BatchRequest, loras: dict[str, LoRARequest]) -> LineError | None:
     """Queue one line's request through LLM.add_request (the admission check) with its adapter, or say why it cannot
     be served (never raises: a line's boundary). The error's code is the RequestError's."""
     try:
@@ -130,9 +132,9 @@ def admit(llm, request: batch.BatchRequest, loras: dict[str, LoRARequest]) -> ba
             prompt = request.prompt
         llm.add_request(prompt, request.params, request_id=str(request.line), lora_request=lora)
     except RequestError as e:
-        return batch.LineError(request.line, request.id, request.kind, e.code, f"line {request.line}: {e}")
+        return LineError(request.line, request.id, request.kind, e.code, f"line {request.line}: {e}")
     except Exception as e:  # the per-line boundary: a bug here must not end the job
         logger.debug("line %d: unexpected error while admitting", request.line, exc_info=True)
-        return batch.LineError(request.line, request.id, request.kind, "internal_error",
-                               f"line {request.line}: {batch.internal_error_message(e)}")
+        return LineError(request.line, request.id, request.kind, "internal_error",
+                               f"line {request.line}: {internal_error_message(e)}")
     return None

@@ -2,7 +2,7 @@
 
 A row holds the fields of a `nanoinfer generate` input line and comes back holding the fields of its output
 record; a bad row comes back as an error record, never as an exception. Parsing and records are
-`nanoinfer.batch`'s, the engine loop is `LineRunner`'s. Nothing here imports Ray: Ray Data builds the class.
+`nanoinfer.jsonl`'s, the engine loop is `LineRunner`'s. Nothing here imports Ray: Ray Data builds the class.
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import math
 
 import numpy as np
 
-from nanoinfer import batch
 from nanoinfer.jobs.line_runner import FinishedLine, LineRunner
+from nanoinfer.jsonl.lines import NATIVE, BadLine, LineError
+from nanoinfer.jsonl.reader import MAX_LINE_BYTES, BatchReader
+from nanoinfer.jsonl.records import error_record
+from nanoinfer.jsonl.requests import DEFAULT_MAX_TOKENS, make_params
 
 # Every field a record can have (native, n > 1, OpenAI batch format): each output batch has all of them as
 # columns, None where a record has no such field, so that Ray Data sees one schema.
@@ -40,14 +43,14 @@ class NanoinferPredictor:
     """
 
     def __init__(self, model: str | None = None, *, sampling: dict | None = None, max_in_flight: int | None = None,
-                 max_line_bytes: int = batch.MAX_LINE_BYTES, **settings):
+                 max_line_bytes: int = MAX_LINE_BYTES, **settings):
         from nanoinfer.errors import RequestError
         from nanoinfer.llm import LLM
 
-        self.defaults = {"max_tokens": batch.DEFAULT_MAX_TOKENS, **(sampling or {})}
+        self.defaults = {"max_tokens": DEFAULT_MAX_TOKENS, **(sampling or {})}
         try:
-            batch.make_params(self.defaults, {})
-        except batch.BadLine as e:
+            make_params(self.defaults, {})
+        except BadLine as e:
             raise RequestError(f"NanoinferPredictor's sampling defaults are invalid: {e.message}") from None
         self.llm = LLM(model, **settings)
         self.runner = LineRunner(self.llm)
@@ -66,11 +69,11 @@ class NanoinferPredictor:
                 lines.append(json.dumps(_plain(row), ensure_ascii=False, allow_nan=False).encode() + b"\n")
             except Exception as e:  # a value JSON has no form for (bytes, an object, nesting too deep, ...)
                 lines.append(b"\n")  # a blank line keeps the numbering; the row gets its error record here
-                unreadable[number] = batch.LineError(
-                    number, None, batch.NATIVE, "invalid_row",
+                unreadable[number] = LineError(
+                    number, None, NATIVE, "invalid_row",
                     f"line {number}: the row cannot be read as a JSON line ({e}). Give plain values only.")
-        reader = batch.BatchReader(lines, self.defaults, max_line_bytes=self.max_line_bytes, first_line=first_line)
-        records = {number: batch.error_record(error) for number, error in unreadable.items()}
+        reader = BatchReader(lines, self.defaults, max_line_bytes=self.max_line_bytes, first_line=first_line)
+        records = {number: error_record(error) for number, error in unreadable.items()}
         for event in self.runner.run(reader, self.max_in_flight):
             if isinstance(event, FinishedLine):
                 records[event.line] = event.record

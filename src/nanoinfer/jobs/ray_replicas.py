@@ -21,10 +21,13 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
-from nanoinfer import batch
 from nanoinfer.errors import NanoInferError, ReplicaError
 from nanoinfer.jobs.dispatch import Dispatcher
 from nanoinfer.jobs.line_runner import FinishedLine, LineRunner, error_line
+from nanoinfer.jsonl.lines import LineError
+from nanoinfer.jsonl.reader import BatchReader
+from nanoinfer.jsonl.requests import BatchRequest
+from nanoinfer.jsonl.writer import RecordWriter
 
 logger = logging.getLogger("nanoinfer")
 
@@ -57,7 +60,7 @@ class Replica:
         return {"incarnation": self.incarnation, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "error": self.error}
 
-    def work(self, requests: list[batch.BatchRequest]) -> tuple[list[FinishedLine], dict[str, int], str]:
+    def work(self, requests: list[BatchRequest]) -> tuple[list[FinishedLine], dict[str, int], str]:
         """Admit `requests`, then step until lines have finished (or for WORK_MAX_SECONDS): (finished, stats,
         incarnation). The incarnation tells the driver when Ray restarted the actor between two calls."""
         finished = [done for request in requests if (done := self.runner.add(request)) is not None]
@@ -259,7 +262,7 @@ def _replica_options(config, num_replicas: int, local: bool) -> tuple[dict, str,
     return options, description, None
 
 
-def stream_requests(pool: ReplicaPool, reader: batch.BatchReader, writer: batch.RecordWriter, progress,
+def stream_requests(pool: ReplicaPool, reader: BatchReader, writer: RecordWriter, progress,
                     max_in_flight: int, stopper) -> None:
     """The single-engine loop's twin: keep every replica busy with up to max_in_flight lines, write each record
     as it comes back. Raises ReplicaError when no replica is left."""
@@ -325,7 +328,7 @@ class _Driver:
         retried, given_up = self.dispatcher.fail(slot.index)
         self.progress.on_replica_failure(len(retried))
         for request in given_up:
-            self._write(error_line(batch.LineError(
+            self._write(error_line(LineError(
                 request.line, request.id, request.kind, "replica_failed",
                 f"line {request.line}: every replica that ran this line died (the last one with only this line "
                 "in flight), so it was given up; the job went on without it. Check the line (an input that "
