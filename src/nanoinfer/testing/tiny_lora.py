@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def build_tiny_adapter(model_dir: str | Path, path: str | Path, *, rank: int = 8, lora_alpha: float = 16,
-                       target_modules: tuple[str, ...] = ("q_proj", "v_proj"), use_rslora: bool = False,
+                       target_modules: tuple[str, ...] | str = ("q_proj", "v_proj"), use_rslora: bool = False,
                        std: float = 0.2, seed: int = 0, **config) -> Path:  # fmt: skip
     """A LoRA adapter of `model_dir`'s model with random A and B (std `std`: large enough that its outputs differ
     from the base model's), saved with PeftModel.save_pretrained to `path`. `config`: more LoraConfig fields. The
@@ -17,7 +17,8 @@ def build_tiny_adapter(model_dir: str | Path, path: str | Path, *, rank: int = 8
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     model.config.name_or_path = str(model_dir)  # the adapter's base_model_name_or_path
-    lora = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=list(target_modules), use_rslora=use_rslora,
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)  # a str: PEFT's regex
+    lora = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=targets, use_rslora=use_rslora,
                       init_lora_weights=False, **config)  # fmt: skip
     peft_model = get_peft_model(model, lora)
     generator = torch.Generator().manual_seed(seed)
