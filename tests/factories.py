@@ -52,7 +52,6 @@ def make_scheduler(
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 2048,
     eos_token_ids=(EOS,),
-    stop_string_checker: Callable[[Sequence], str | None] | None = None,
     proposer: NgramProposer | None = None,
 ) -> Scheduler:
     """A Scheduler over a fresh BlockManager (16 blocks of 256 tokens unless told otherwise)."""
@@ -63,7 +62,6 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=set(eos_token_ids),
-        stop_string_checker=stop_string_checker,
         proposer=proposer,
     )
 
@@ -111,3 +109,16 @@ def spec_of(config: dict):
 
     values = {k: v for k, v in config.items() if k != "model_type"}
     return registry.model_spec(transformers.AutoConfig.for_model(config["model_type"], **values))
+
+
+def stop_by_full_decode(tokenizer, output_token_ids: list[int], params: SamplingParams) -> tuple[int, str, str] | None:
+    """Where params' stop strings end an output, found as nanoinfer found them before it detokenized incrementally:
+    the whole output decoded after each token (from min_tokens on) and searched from its start, the stop string that
+    starts first winning (then the first listed). Returns (output tokens kept, stop string, text before it), or None."""
+    for n in range(max(params.min_tokens, 1), len(output_token_ids) + 1):
+        text = tokenizer.decode(output_token_ids[:n], skip_special_tokens=params.skip_special_tokens)
+        found = [(text.find(stop), i, stop) for i, stop in enumerate(params.stop) if stop in text]
+        if found:
+            index, _, stop = min(found)
+            return n, stop, text[:index]
+    return None

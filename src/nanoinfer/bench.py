@@ -226,7 +226,7 @@ def run_nanoinfer(config, workload: Workload, warmup: bool = True, on_step=None)
     peak_rss, peak_cuda = peak_memory(device)
     generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     llm.engine.close()  # tensor-parallel workers, if any
-    del llm, scheduler  # the scheduler holds the LLM (its stop-string checker): drop both to free the KV cache
+    del llm, scheduler  # drop both: nothing may keep the KV cache alive into the peer's run
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

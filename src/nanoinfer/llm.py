@@ -13,11 +13,19 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from nanoinfer.chat.reasoning import THINK_END, THINK_START, prompt_opens_thinking, select_reasoning_parser
+from nanoinfer.chat.reasoning import (
+    THINK_END,
+    THINK_START,
+    prompt_closes_thinking,
+    prompt_opens_thinking,
+    select_reasoning_parser,
+)
+from nanoinfer.chat.tool_calls import select_tool_call_parser
 from nanoinfer.config import Config
 from nanoinfer.config_file import make_config
+from nanoinfer.detokenizer import StopStringChecker
 from nanoinfer.engine.engine import LLMEngine, StepStats
-from nanoinfer.engine.sequence import ReasoningTokens, Request, Sequence
+from nanoinfer.engine.sequence import ReasoningTokens, Request
 from nanoinfer.errors import (
     ConfigError,
     ConfigProblem,
@@ -68,7 +76,8 @@ class LLM:
             config.eos = min(eos_ids)  # the seed's placeholder, filled here from the tokenizer
             config.notes.append(("eos", config.eos, "from the tokenizer / generation_config.json"))
         self.eos_token_ids = eos_ids
-        self.engine = LLMEngine(config, stop_string_checker=self._check_stop_strings, eos_token_ids=eos_ids)
+        self.engine = LLMEngine(config, eos_token_ids=eos_ids)
+        self.stop_strings = StopStringChecker(self.tokenizer)  # each request's stop strings, on its decoded text
         self._request_counter = itertools.count()
         self._structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         # sentence-transformers 6 embeds text as a user message through the chat template, for folders it saved so
@@ -76,8 +85,9 @@ class LLM:
         folder = read_sentence_transformers_folder(config.model) if config.runner == "pooling" else None
         self.embeds_messages = folder is not None and folder.renders_messages
         # A model that thinks first: how its answers split (chat/reasoning.py); callers may set another or None
-        vocab = self.tokenizer.get_vocab()
-        self.reasoning_parser = select_reasoning_parser(vocab, getattr(self.tokenizer, "chat_template", None))
+        vocab, template = self.tokenizer.get_vocab(), getattr(self.tokenizer, "chat_template", None)
+        self.reasoning_parser = _parser(config.reasoning_parser, lambda: select_reasoning_parser(vocab, template))
+        self.tool_call_parser = _parser(config.tool_call_parser, lambda: select_tool_call_parser(vocab, template))
         self._thinking_ids = (vocab[THINK_START], vocab[THINK_END]) if THINK_START in vocab and THINK_END in vocab \
             else None  # single tokens: the engine can hold a grammar back and end a thinking budget on them
 
@@ -215,6 +225,8 @@ class LLM:
         if params.structured_outputs is not None:
             request.structured_output = self.structured_outputs.request_for(params.structured_outputs)
         self.engine.add_request(request)
+        if params.max_tokens != 0:
+            self.stop_strings.add(request)
         return request_id
 
     def _pooling_params(self, params) -> PoolingParams | None:
@@ -245,8 +257,9 @@ class LLM:
                                    "tokens (Qwen3, SmolLM3, DeepSeek-R1); this one does not. Leave it out.",
                                    code="invalid_sampling_params")  # fmt: skip
             return None
-        opened = prompt_opens_thinking(self.tokenizer.decode(token_ids[-16:]))
-        return ReasoningTokens(*self._thinking_ids, opened_by_prompt=opened)
+        tail = self.tokenizer.decode(token_ids[-16:])
+        return ReasoningTokens(*self._thinking_ids, opened_by_prompt=prompt_opens_thinking(tail),
+                               closed_by_prompt=prompt_closes_thinking(tail))  # fmt: skip
 
     def _check_lora(self, lora: LoRARequest | None) -> None:
         """The adapter read and checked against the model (cached for the steps that run it), or a RequestError."""
@@ -287,7 +300,16 @@ class LLM:
         return self._structured_outputs
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
+        """One engine step; returns the requests it finished (as RequestOutputs) and its StepStats.
+
+        The step's new tokens of sequences with stop strings are decoded then (each token once), and a sequence whose
+        text now holds one finishes at the token that completed it (detokenizer.py)."""
         finished, stats = self.engine.step()
+        for hit in self.stop_strings.check():
+            hit.seq.output_text = hit.text
+            request = self.engine.finish_on_stop_string(hit.seq, hit.num_output_tokens, hit.stop, stats)
+            if request is not None:
+                finished.append(request)
         return [self._to_output(r) for r in finished], stats
 
     def has_unfinished_requests(self) -> bool:
@@ -338,18 +360,6 @@ class LLM:
                 code="out_of_vocabulary",
             )
         return token_ids
-
-    def _check_stop_strings(self, seq: Sequence) -> str | None:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-        best = None
-        for stop in seq.params.stop:
-            idx = text.find(stop)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return None
-        seq.output_text = text[: best[0]]
-        return best[1]
 
     def _to_output(self, request: Request) -> RequestOutput | EmbeddingRequestOutput:
         if request.pooling is not None:
@@ -406,6 +416,11 @@ def _refused_output(request_id: str, prompt, params, error: RequestError):
     outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error", error=str(error),
                                 error_code=error.code) for i in range(params.n)]
     return RequestOutput(request_id, text, token_ids, outputs)
+
+
+def _parser(setting: str, select) -> str | None:
+    """A Config parser setting resolved: auto -> `select()`, none -> None, else the name."""
+    return select() if setting == "auto" else None if setting == "none" else setting
 
 
 def _broadcast_loras(lora_request, n: int) -> list:

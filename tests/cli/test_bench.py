@@ -227,7 +227,7 @@ def test_bad_bench_flags_exit_2_with_the_fix(tiny_model, args, message):
 
 
 def test_nanoinfer_run_frees_its_engine_before_the_peer_loads(tiny_model):
-    # The scheduler holds the LLM through its stop-string checker; an engine left in a reference cycle
+    # An engine left in a reference cycle
     # (and its KV cache) would count in the peer's peak memory. gc.get_objects() still lists uncollected
     # cycles, so this fails unless run_nanoinfer itself released the engine.
     import gc

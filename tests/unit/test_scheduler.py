@@ -195,22 +195,44 @@ def test_ignore_eos_generates_through_eos():
     assert seq.finish_reason == "length"
 
 
-def test_stop_string_checker_is_asked_only_when_stop_strings_are_set():
-    calls = []
+def test_a_stop_string_found_after_the_step_retires_the_sequence_and_frees_its_blocks():
+    # LLM.step finds stop strings in the text after update() and ends the sequence through the scheduler.
+    sched = make_scheduler()
+    req = make_request(num_prompt_tokens=20, max_tokens=10, stop=["END"])
+    sched.add_request(req)
+    run_step(sched, 5)
+    run_step(sched, 6)
+    seq = req.sequences[0]
+    assert sched.finish_on_stop_string(seq, 2, "END") is req
+    assert (seq.finish_reason, seq.stop_reason, seq.output_token_ids) == ("stop", "END", [5, 6])
+    assert sched.running == [] and not sched.has_unfinished
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
-    def checker(seq):
-        calls.append(seq.num_output_tokens)
-        return "END" if seq.num_output_tokens == 2 else None
 
-    sched = make_scheduler(stop_string_checker=checker)
-    plain = make_request(num_prompt_tokens=5, max_tokens=4)
-    with_stop = make_request(num_prompt_tokens=5, max_tokens=4, stop=["END"])
-    sched.add_request(plain)
-    sched.add_request(with_stop)
-    run_to_completion(sched, 5)
-    assert calls == [1, 2]
-    assert (with_stop.sequences[0].finish_reason, with_stop.sequences[0].stop_reason) == ("stop", "END")
-    assert plain.sequences[0].num_output_tokens == 4
+def test_a_request_ends_on_a_stop_string_only_with_its_last_sequence():
+    sched = make_scheduler()
+    req = make_request(num_prompt_tokens=20, n=2, max_tokens=10, stop=["END"])
+    sched.add_request(req)
+    run_step(sched, 5)
+    first, second = req.sequences
+    assert sched.finish_on_stop_string(first, 1, "END") is None  # the other sequence still runs
+    assert sched.running == [second] and sched.has_unfinished
+    assert run_step(sched, 6)[1] == []
+    assert sched.finish_on_stop_string(second, 2, "END") is req
+    assert [s.output_token_ids for s in req.sequences] == [[5], [5, 6]]
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_a_stop_string_before_the_length_limit_wins_over_it():
+    # update() ended the sequence at max_tokens (and reported its request); the stop string came a token earlier.
+    sched = make_scheduler()
+    req = make_request(num_prompt_tokens=20, max_tokens=2, stop=["END"])
+    sched.add_request(req)
+    run_step(sched, 5)
+    assert run_step(sched, 6)[1] == [req]
+    seq = req.sequences[0]
+    assert sched.finish_on_stop_string(seq, 1, "END") is None
+    assert (seq.finish_reason, seq.stop_reason, seq.output_token_ids) == ("stop", "END", [5])
 
 
 def test_n_sequences_finish_the_request_together():

@@ -184,6 +184,27 @@ def test_a_stop_token_inside_a_kept_proposal_ends_the_sequence_there():
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
 
 
+def test_a_stop_string_inside_a_kept_proposal_drops_the_tokens_after_it():
+    # As above, the second step keeps the proposal [13, 10, 11, 12] and appends the model's 13. The text after the
+    # step holds a stop string completed by the 10 (LLM.step looks): the output ends there, and only the proposed
+    # tokens still in it (13, 10) count as accepted.
+    model = looping_model(period=4, noise=0)
+    request = make_request([10, 11, 12, 13, 10, 11], temperature=0, max_tokens=50, stop=["END"])
+    scheduler = make_scheduler(proposer=NgramProposer(4, 1, 3))
+    scheduler.add_request(request)
+    for _ in range(2):
+        out = scheduler.schedule()
+        scheduler.update(out, {s.seq_id: model_tokens(model, s, s.spec_token_ids) for s, _ in out.scheduled})
+    seq = request.sequences[0]
+    assert seq.output_token_ids == [12, 13, 10, 11, 12, 13]
+    assert (scheduler.num_draft_tokens, scheduler.num_accepted_tokens) == (4, 4)
+    assert scheduler.finish_on_stop_string(seq, 3, "END") is request
+    assert (seq.output_token_ids, seq.finish_reason, seq.stop_reason) == ([12, 13, 10], "stop", "END")
+    assert seq.num_computed_tokens <= seq.num_tokens
+    assert scheduler.num_accepted_tokens == 2
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
 def test_proposals_take_only_the_budget_left_after_running_sequences_and_admissions():
     """4 requests, 6 tokens a step: with proposals of up to 8 tokens, the running sequences could take the
     whole budget every step and keep the rest waiting forever; they get only what is left."""

@@ -38,7 +38,7 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: Config, stop_string_checker=None, eos_token_ids: set[int] = frozenset()):
+    def __init__(self, config: Config, eos_token_ids: set[int] = frozenset()):
         self.config = config
         self.platform = select_platform_for(config)
         self.platform.setup_process(config)
@@ -59,7 +59,6 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             eos_token_ids=eos_token_ids,
-            stop_string_checker=stop_string_checker,
             proposer=_make_proposer(config),
             max_loras=config.max_loras if config.enable_lora else 0,
         )
@@ -86,6 +85,16 @@ class LLMEngine:
             num_prefill, num_decode, out.num_preempted, time.perf_counter() - start,
             scheduler.num_draft_tokens - drafts_before[0], scheduler.num_accepted_tokens - drafts_before[1], *shape,
         )  # fmt: skip
+
+    def finish_on_stop_string(self, seq: Sequence, num_output_tokens: int, stop: str,
+                              stats: StepStats) -> Request | None:
+        """Finish `seq`, whose text hit stop string `stop` at its output token `num_output_tokens` in the step that
+        `stats` describes (LLM.step looks for stop strings after each step). Returns its request when that has now
+        finished."""
+        num_accepted = self.scheduler.num_accepted_tokens
+        request = self.scheduler.finish_on_stop_string(seq, num_output_tokens, stop)
+        stats.num_accepted_tokens -= num_accepted - self.scheduler.num_accepted_tokens  # none past the stop string
+        return request
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent; also runs at exit)."""

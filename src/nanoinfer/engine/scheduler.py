@@ -9,12 +9,14 @@ With n-gram speculation on (engine/ngram_proposer.py), a greedy sequence ready f
 proposed tokens too: it is scheduled for 1 + k tokens (its last token and the proposal), the model samples
 its greedy token at each, and update() keeps the proposal up to the first token that differs, plus the
 model's own token there. Every kept token is the one plain decoding would have produced.
+
+Stop strings are looked for in the text after each step (nanoinfer/detokenizer.py, from LLM.step), which then
+finishes a sequence that hit one through finish_on_stop_string().
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoinfer.engine.block_manager import BlockManager
@@ -46,7 +48,6 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int] = frozenset(),
-        stop_string_checker: Callable[[Sequence], str | None] | None = None,
         proposer: NgramProposer | None = None,
         max_loras: int = 0,
     ):
@@ -55,7 +56,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        self.stop_string_checker = stop_string_checker
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -63,6 +63,8 @@ class Scheduler:
         self.max_loras = max_loras  # most LoRA adapters among running sequences (0: LoRA off)
         self.num_draft_tokens = 0  # tokens proposed by speculation, and how many of them the model kept
         self.num_accepted_tokens = 0
+        # seq_id -> (proposed tokens the model kept, tokens appended) of the last update, for a stop string found after
+        self._last_drafts: dict[int, tuple[int, int]] = {}
         self._finished_at_admission: list[Request] = []
         self._num_unfinished_requests = 0
         self._unapplied_copies: list[tuple[int, int, int]] = []  # KV rows shared in a step not yet updated
@@ -224,11 +226,12 @@ class Scheduler:
     # ---- after the forward pass ---------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Request]:
         """Advance computed counts, append sampled tokens (seq_id -> the token ids sampled for it: one, or
-        one per scheduled token of a speculated sequence), apply stop rules.
-        Returns the requests that finished (all their sequences done)."""
+        one per scheduled token of a speculated sequence), apply the stop rules on token ids (stop strings are
+        finish_on_stop_string's). Returns the requests that finished (all their sequences done)."""
         finished: list[Request] = self._finished_at_admission
         self._finished_at_admission = []
         self._unapplied_copies = []  # the step's forward pass made them
+        self._last_drafts = {}
         for seq, num_new in out.scheduled:
             token_ids = sampled.get(seq.seq_id)
             draft = seq.spec_token_ids
@@ -266,6 +269,7 @@ class Scheduler:
                     break
             if draft:  # proposed tokens that made it into the output (a stop can cut a kept proposal short)
                 self.num_accepted_tokens += min(num_new - 1, num_appended)
+                self._last_drafts[seq.seq_id] = (num_new - 1, num_appended)
             # A stop inside a kept draft leaves tokens computed past the end: only the sequence's own count.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             self.block_manager.cache_full_blocks(seq)
@@ -296,15 +300,31 @@ class Scheduler:
                 return "stop", None
             if token_id in params.stop_token_ids:
                 return "stop", token_id
-            if params.stop and self.stop_string_checker is not None:
-                stop = self.stop_string_checker(seq)
-                if stop is not None:
-                    return "stop", stop
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return "length", None
         if seq.num_tokens >= self.max_model_len:
             return "length", None
         return None
+
+    def finish_on_stop_string(self, seq: Sequence, num_output_tokens: int, stop: str) -> Request | None:
+        """Finish `seq`, whose text hit stop string `stop` after the last update(): its output ends at its token
+        `num_output_tokens`, the one that completed the string (a kept proposal may have appended more), and a running
+        sequence gives its blocks back. Returns its request when that has now finished."""
+        num_dropped = seq.num_output_tokens - num_output_tokens
+        assert 0 <= num_dropped and num_output_tokens >= 1, (seq, num_output_tokens)
+        if num_dropped and seq.seq_id in self._last_drafts:  # kept proposed tokens past the stop are not output
+            num_kept, num_appended = self._last_drafts[seq.seq_id]
+            self.num_accepted_tokens -= min(num_kept, num_appended) - min(num_kept, num_appended - num_dropped)
+        del seq.token_ids[seq.num_prompt_tokens + num_output_tokens :]
+        del seq.logprobs[num_output_tokens:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)  # the dropped tokens' rows are unused
+        was_running = not seq.is_finished  # else update() finished it, at a later token or a length limit
+        self._finish(seq, "stop", stop)
+        if not was_running:
+            return None
+        finished: list[Request] = []
+        self._retire(seq, finished)
+        return finished[0] if finished else None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None, error: str | None = None) -> None:
         seq.spec_token_ids = []

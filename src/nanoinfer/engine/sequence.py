@@ -1,7 +1,8 @@
 """Request (what the user submitted) and Sequence (one generation path the scheduler runs).
 
 A request with n > 1 owns n sequences that share its prompt (and, through prefix caching, its KV blocks).
-The engine knows nothing about text except stop strings; token ids in, token ids out.
+The engine knows nothing about text: token ids in, token ids out (stop strings are found in the decoded text after
+each step, by the LLM: detokenizer.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ReasoningTokens:
     start_id: int
     end_id: int
     opened_by_prompt: bool = False
+    closed_by_prompt: bool = False  # the template switched thinking off: the answer is content from its first token
 
 
 class ReasoningState:
@@ -41,7 +43,7 @@ class ReasoningState:
         self.tokens = tokens
         self.budget = budget
         self.open = tokens.opened_by_prompt
-        self.done = False  # past the end-of-thinking token (or the output did not start thinking)
+        self.done = tokens.closed_by_prompt  # past the end-of-thinking token (or the output did not start thinking)
         self.num_tokens = 0  # reasoning tokens so far
 
     @property
@@ -100,7 +102,7 @@ class Sequence:
         self.error: str | None = None
         self.error_code: str | None = None  # for an error the user can fix, a code for scripts (else None)
         self.logprobs: list[Logprob] = []
-        self.output_text = ""  # filled by the stop-string checker when stop strings are set
+        self.output_text = ""  # the text up to a stop string, set when one ends the sequence (detokenizer.py)
         self.num_preemptions = 0
         # Speculation (engine/ngram_proposer.py): the tokens proposed for this step, scheduled after the last
         # token and not part of token_ids until the model confirms them; and the sequence's n-gram index.
