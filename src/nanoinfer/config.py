@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanoinfer.chat.reasoning import REASONING_PARSERS
+from nanoinfer.chat.tool_calls import TOOL_CALL_PARSERS
 from nanoinfer.errors import ConfigError, ConfigProblem
 from nanoinfer.models import registry
 from nanoinfer.models.config import load_hf_config
@@ -108,6 +110,10 @@ class Config:
             number `loras` names, the larger; at least max_loras.
         loras: adapter name -> PEFT folder, for `generate` jobs (a line's "lora", an OpenAI line's `body.model`);
             each folder is checked against the model (rank, targets, shapes) with the rest of the config.
+        reasoning_parser: auto | none | think | harmony: how chat answers split into reasoning_content and content
+            (auto: from the tokenizer's tokens and chat template; think: <think>...</think>, harmony: gpt-oss).
+        tool_call_parser: auto | none | hermes | llama3_json | mistral: how chat answers' tool calls are read
+            (auto: from the tokenizer and chat template).
 
     Raises:
         ConfigError: listing every invalid field at once (field, value, rule and fix).
@@ -147,6 +153,8 @@ class Config:
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
     loras: dict = field(default_factory=dict)
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
     # What __post_init__ filled in or clamped: (field, value, reason). Not a user setting; init=False so
     # dataclasses.replace() starts a fresh list instead of copying the old notes.
     notes: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -488,6 +496,10 @@ def _range_problems(c: Config, bad: set[str]) -> list[ConfigProblem]:
         problems.append(_choice_problem("cpu_kernels", c.cpu_kernels, CPU_KERNELS))
     check("eos", lambda v: v >= -1, "is filled in from the tokenizer; leave it at -1.")
     problems += _lora_ranges(c, bad)
+    for name, choices in (("reasoning_parser", ("auto", "none", *REASONING_PARSERS)),
+                          ("tool_call_parser", ("auto", "none", *TOOL_CALL_PARSERS))):  # fmt: skip
+        if name not in bad and getattr(c, name) not in choices:
+            problems.append(_choice_problem(name, getattr(c, name), choices))
     if c.runner not in RUNNERS:
         problems.append(_choice_problem("runner", c.runner, RUNNERS))
         bad.add("runner")

@@ -5,14 +5,22 @@ import typer
 from typer.testing import CliRunner
 
 from nanoinfer.cli import app
-from nanoinfer.cli.engine_options import FLAGS, LORA_FIELDS, POOLING_FIELDS, EngineOptions, engine_options
+from nanoinfer.cli.engine_options import (
+    CHAT_FIELDS,
+    FLAGS,
+    LORA_FIELDS,
+    POOLING_FIELDS,
+    EngineOptions,
+    engine_options,
+)
 from nanoinfer.config import settable_fields
 
 COMMANDS = {  # command -> the engine fields it takes flags for
     "generate": set(FLAGS) - set(POOLING_FIELDS),  # embeddings' fields: `embed` takes them
     "check-config": set(FLAGS),
-    "embed": set(FLAGS) - {"runner", *LORA_FIELDS},  # embed is the pooling runner; its lines name no adapter
-    "bench": set(FLAGS) - {"seed", "trust_remote_code", *POOLING_FIELDS},  # bench's --seed is the workload's
+    # embed is the pooling runner; its lines name no adapter and hold no chat answers
+    "embed": set(FLAGS) - {"runner", *LORA_FIELDS, *CHAT_FIELDS},
+    "bench": set(FLAGS) - {"seed", "trust_remote_code", *POOLING_FIELDS, *CHAT_FIELDS},  # --seed: the workload's
     "plan-memory": {"model", "tensor_parallel_size", "dtype", "kv_cache_dtype", "max_model_len", "max_num_seqs",
                     "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size", "num_kvcache_blocks",
                     "num_speculative_tokens", "enable_lora", "max_loras", "max_lora_rank", "loras"},

@@ -284,6 +284,7 @@ class SignallingLLM:
     def __init__(self, config, signum: int | None = None, at_step: int = 3):
         self.config = config
         self.tokenizer = None
+        self.reasoning_parser = self.tool_call_parser = None  # its records are plain text
         self.queue: deque[tuple[str, list[int]]] = deque()
         self.signum, self.at_step, self.num_steps = signum, at_step, 0
         self.max_prompt_chars = 10_000

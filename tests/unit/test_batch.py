@@ -216,7 +216,7 @@ def test_openai_batch_file_round_trips(tmp_path, tiny_model):
         openai_line("cmpl-ids", "/v1/completions", {"model": "m", "prompt": [5, 6, 7], "max_tokens": 2}),
         openai_line("bad-url", "/v1/embeddings", {"model": "m", "input": "x"}),
         openai_line(
-            "bad-param", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}
+            "bad-param", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}
         ),
     ]
     result, records = run_generate(tmp_path, tiny_model, lines)
@@ -288,6 +288,7 @@ class CountingLLM:
     def __init__(self, config, batch_size: int = 8):
         self.config = config
         self.tokenizer = _Tokenizer()
+        self.reasoning_parser = self.tool_call_parser = None  # its records are plain text
         self.batch_size = batch_size
         self.queue: deque[tuple[str, list[int]]] = deque()
         self.max_in_flight = 0

@@ -7,7 +7,13 @@ import json
 import jsonschema
 import pytest
 
-from nanoinfer.chat.reasoning import ReasoningSplit, prompt_opens_thinking, select_reasoning_parser, split_reasoning
+from nanoinfer.chat.reasoning import (
+    ReasoningSplit,
+    prompt_closes_thinking,
+    prompt_opens_thinking,
+    select_reasoning_parser,
+    split_reasoning,
+)
 from nanoinfer.chat.tool_calls import (
     ToolCall,
     call_id,
@@ -46,10 +52,13 @@ def test_harmony_parser_splits_channels_and_reports_an_unfinished_analysis():
     assert split_reasoning("harmony", "plain text") == ReasoningSplit(None, "plain text")
 
 
-def test_prompt_opens_thinking_only_with_an_open_tag_at_its_end():
+def test_prompt_opens_or_closes_thinking_only_at_its_end():
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_thinking("<think>x</think> then <|im_start|>assistant\n")
+    assert prompt_closes_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
+    assert not prompt_closes_thinking("<think>x</think> then <|im_start|>assistant\n")
+    assert not prompt_closes_thinking("<|im_start|>assistant\n<think>\n")
 
 
 def test_parsers_are_selected_from_the_vocabulary_and_template():

@@ -45,6 +45,13 @@ def prompt_opens_thinking(prompt: str) -> bool:
     return start >= 0 and THINK_END not in prompt[start:] and not prompt[start + len(THINK_START):].strip()
 
 
+def prompt_closes_thinking(prompt: str) -> bool:
+    """Does the rendered prompt end with a closed thought (`<think>...</think>` then only whitespace): a template that
+    switched thinking off (Qwen3's enable_thinking false), whose answer is content from its first token?"""
+    end = prompt.rfind(THINK_END)
+    return end >= 0 and THINK_START in prompt[:end] and not prompt[end + len(THINK_END):].strip()
+
+
 def split_reasoning(parser: str, text: str, prompt_opened: bool = False) -> ReasoningSplit:
     """`text` (the output, special tokens kept for harmony) into reasoning and content."""
     if parser == "think":

@@ -158,9 +158,10 @@ def _split_top_level(text: str, separator: str) -> list[str]:
 # ---- tool_choice "required" or a named function: decoding constrained to a valid call ----------------------------
 
 
-def tool_call_schema(tools: list[dict], tool_choice) -> dict:
+def tool_call_schema(tools: list[dict], tool_choice, parallel_tool_calls: bool = True) -> dict:
     """The JSON schema decoding is held to: a named function's arguments (its parameters schema), or for "required"
-    a non-empty list of calls, each one of the tools with arguments of its schema (vLLM's shapes)."""
+    a non-empty list of calls (one, without parallel_tool_calls), each one of the tools with arguments of its schema
+    (vLLM's shapes)."""
     functions = {tool["function"]["name"]: tool["function"] for tool in tools}
     if isinstance(tool_choice, dict):
         return _parameters(functions[tool_choice["function"]["name"]])
@@ -168,7 +169,8 @@ def tool_call_schema(tools: list[dict], tool_choice) -> dict:
                                                "parameters": _parameters(function)},
               "required": ["name", "parameters"], "additionalProperties": False}
              for name, function in functions.items()]  # fmt: skip
-    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    return schema if parallel_tool_calls else {**schema, "maxItems": 1}
 
 
 def check_tools(tools, tool_choice) -> str | None:

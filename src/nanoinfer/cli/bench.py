@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nanoinfer.cli import app, err_console, user_errors
-from nanoinfer.cli.engine_options import POOLING_FIELDS, EngineOptions, engine_options
+from nanoinfer.cli.engine_options import CHAT_FIELDS, POOLING_FIELDS, EngineOptions, engine_options
 from nanoinfer.errors import NanoInferError
 
 # Workload defaults. CUDA: nano-vllm's bench.py shape. CPU: workload W (64 requests, 32..256 in and out,
@@ -33,7 +33,7 @@ _ROOFLINE = "Roofline"
 
 
 @app.command("bench")
-@engine_options(exclude=("seed", "trust_remote_code", *POOLING_FIELDS))  # --seed is the workload's
+@engine_options(exclude=("seed", "trust_remote_code", *POOLING_FIELDS, *CHAT_FIELDS))  # --seed is the workload's
 def bench(
     ctx: typer.Context,
     engine: EngineOptions = None,  # @engine_options puts --config and the engine flags here

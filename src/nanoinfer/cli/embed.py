@@ -13,7 +13,7 @@ import typer
 
 from nanoinfer.cli import app, err_console, user_errors
 from nanoinfer.cli import generate as generate_cli
-from nanoinfer.cli.engine_options import LORA_FIELDS, EngineOptions, engine_options
+from nanoinfer.cli.engine_options import CHAT_FIELDS, LORA_FIELDS, EngineOptions, engine_options
 from nanoinfer.errors import BatchFileError
 from nanoinfer.jobs.embed_runner import EmbedLineRunner
 from nanoinfer.jsonl.embed import parse_embedding
@@ -24,7 +24,7 @@ _EMBEDDING = "Embeddings (a line's own fields win)"
 
 
 @app.command("embed")
-@engine_options(exclude=("runner", *LORA_FIELDS))  # always the pooling runner; lines name no adapter
+@engine_options(exclude=("runner", *LORA_FIELDS, *CHAT_FIELDS))  # always the pooling runner; lines name no adapter
 def embed(
     input: Annotated[
         str,

@@ -88,11 +88,20 @@ FLAGS = {
         help="NAME=PATH: a PEFT adapter folder a line selects with \"lora\": NAME (OpenAI lines: body.model). Repeat "
         "for more; added to the config file's loras.",
     ),
+    "reasoning_parser": _flag(
+        str, "--reasoning-parser", help="auto | none | think | harmony: how chat answers' reasoning_content splits off."
+    ),
+    "tool_call_parser": _flag(
+        str, "--tool-call-parser",
+        help="auto | none | hermes | llama3_json | mistral: how chat answers' tool calls are parsed.",
+    ),
 }
 # The pooling runner's fields: only commands that make embeddings take them.
 POOLING_FIELDS = ("runner", "pooling_type", "normalize")
 # LoRA's fields: commands that generate (and check-config, plan-memory) take them.
 LORA_FIELDS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "loras")
+# How chat answers are read: commands that write chat records (and check-config) take them.
+CHAT_FIELDS = ("reasoning_parser", "tool_call_parser")
 ConfigFileOption = Annotated[Path | None, typer.Option("--config", help="Engine YAML; flags override its values.")]
 
 

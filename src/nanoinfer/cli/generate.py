@@ -35,7 +35,12 @@ from nanoinfer.jsonl.manifest import (
     write_manifest,
 )
 from nanoinfer.jsonl.reader import MAX_LINE_BYTES, BatchReader, scan_input
-from nanoinfer.jsonl.requests import ANY_WHITESPACE_DEFAULT, DEFAULT_MAX_TOKENS, make_params
+from nanoinfer.jsonl.requests import (
+    ANY_WHITESPACE_DEFAULT,
+    CHAT_TEMPLATE_KWARGS_DEFAULT,
+    DEFAULT_MAX_TOKENS,
+    make_params,
+)
 from nanoinfer.jsonl.writer import RecordWriter
 from nanoinfer.progress import JobProgress
 
@@ -185,6 +190,12 @@ def generate(
         _opt("--json-any-whitespace/--no-json-any-whitespace",
              help="Let JSON outputs hold free whitespace (default: as json.dumps writes it).", panel=_SAMPLING),
     ] = None,
+    chat_template_kwargs: Annotated[
+        str | None,
+        _opt("--chat-template-kwargs",
+             help='Options for the chat template of every chat line, as JSON, e.g. \'{"enable_thinking": false}\' '
+                  '(a line\'s own chat_template_kwargs win).', panel=_SAMPLING),
+    ] = None,
     resume: ResumeOption = False,
     overwrite: OverwriteOption = False,
     quiet: QuietOption = False,
@@ -248,6 +259,7 @@ def generate(
         "logprobs": logprobs,
         "structured_outputs": json_schema,  # the file's path: prepare_job reads it
         ANY_WHITESPACE_DEFAULT: json_any_whitespace,
+        CHAT_TEMPLATE_KWARGS_DEFAULT: chat_template_kwargs,  # JSON text: prepare_job reads it
     }
     stopper = Stopper()
     stopper.install()
@@ -324,6 +336,9 @@ def prepare_job(
     sampling_defaults.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     if "structured_outputs" in sampling_defaults:
         sampling_defaults["structured_outputs"] = {"json": _read_json_schema(sampling_defaults["structured_outputs"])}
+    if CHAT_TEMPLATE_KWARGS_DEFAULT in sampling_defaults:
+        sampling_defaults[CHAT_TEMPLATE_KWARGS_DEFAULT] = _read_chat_template_kwargs(
+            sampling_defaults[CHAT_TEMPLATE_KWARGS_DEFAULT])
     try:
         make_params(sampling_defaults, {})
     except BadLine as e:
@@ -389,6 +404,18 @@ def engine_defaults(num_lines: int | None, max_tokens: int) -> dict:
     if num_lines is not None and num_lines * max_tokens >= WAIT_FOR_CPU_KERNELS_TOKENS:
         return {"cpu_kernels": "wait"}
     return {}
+
+
+def _read_chat_template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object, or a RequestError saying what it is instead."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise RequestError(f"--chat-template-kwargs is not JSON ({e}): give an object, e.g. "
+                           "'{\"enable_thinking\": false}'.") from None
+    if not isinstance(value, dict):
+        raise RequestError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}.")
+    return value
 
 
 def _read_json_schema(path: Path) -> dict:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanoinfer.chat.answer import ChatAnswer, ChatParsers, chat_answer
+from nanoinfer.chat.reasoning import prompt_opens_thinking
 from nanoinfer.errors import RequestError, short_repr
 from nanoinfer.jsonl.lines import LineError, internal_error_message
 from nanoinfer.jsonl.records import error_record, result_record
@@ -47,6 +49,7 @@ class LineRunner:
         self.pending: dict[str, BatchRequest] = {}
         self.loras = lora_requests(llm.config.loras)
         self._decode = lambda token_id: llm.tokenizer.decode([token_id])
+        self.parsers = ChatParsers(llm.reasoning_parser, llm.tool_call_parser)
 
     def add(self, item: BatchRequest | LineError) -> FinishedLine | None:
         """Queue a line in the engine (None), or return its error record at once."""
@@ -94,12 +97,26 @@ class LineRunner:
 
     def _result(self, request: BatchRequest, output) -> FinishedLine:
         try:
-            record = result_record(request, output, self._decode)
+            answers = [self._answer(request, c) for c in output.outputs] if request.messages is not None else None
+            record = result_record(request, output, self._decode, answers)
         except Exception as e:  # a record that cannot be built is that line's error, not the job's
             logger.debug("line %d: unexpected error while building its record", request.line, exc_info=True)
             return error_line(LineError(request.line, request.id, request.kind, "internal_error",
                                               f"line {request.line}: {internal_error_message(e)}"))
         return FinishedLine(request.line, record, output.usage, False)
+
+
+    def _answer(self, request: BatchRequest, completion) -> ChatAnswer:
+        """A chat line's completion split into reasoning, content and tool calls (chat/answer.py)."""
+        text = completion.text
+        if self.parsers.needs_special_tokens():  # the formats are special tokens: read them, less a final EOS
+            ids = completion.token_ids
+            if ids and ids[-1] in self.llm.eos_token_ids:
+                ids = ids[:-1]
+            text = self.llm.tokenizer.decode(ids, skip_special_tokens=False)
+        return chat_answer(text, completion.finish_reason, self.parsers, prompt_opened=request.prompt_opens_thinking,
+                           tools=request.tools, tool_choice=request.tool_choice,
+                           seed=f"{request.id}:{completion.index}")  # fmt: skip
 
 
 def select_lora(request: BatchRequest, loras: dict[str, LoRARequest]) -> LoRARequest | None:
@@ -127,7 +144,9 @@ def admit(llm, request: BatchRequest, loras: dict[str, LoRARequest]) -> LineErro
         if request.prompt_token_ids is not None:
             prompt = request.prompt_token_ids
         elif request.messages is not None:
-            prompt = llm.apply_chat_template(request.messages)
+            prompt = llm.apply_chat_template(request.messages, tools=request.tools,
+                                             chat_template_kwargs=request.chat_template_kwargs)  # fmt: skip
+            request.prompt_opens_thinking = prompt_opens_thinking(prompt)
         else:
             prompt = request.prompt
         llm.add_request(prompt, request.params, request_id=str(request.line), lora_request=lora)

@@ -25,6 +25,7 @@ from nanoinfer.jsonl.lines import (
     request_id_of,
 )
 from nanoinfer.jsonl.requests import (
+    _CHAT_KEYS,
     _GUIDED_KEYS,
     _SAMPLING_KEYS,
     BatchRequest,
@@ -33,6 +34,7 @@ from nanoinfer.jsonl.requests import (
     _take_structured_outputs,
     check_messages,
     make_params,
+    take_chat_options,
 )
 
 # /v1/embeddings lines are `nanoinfer embed`'s (embed.py parses them); generate answers them with an error.
@@ -66,21 +68,19 @@ _OPENAI_COMMON = (
     *_GUIDED_KEYS,
 )
 _OPENAI_KEYS = {
-    CHAT: (*_OPENAI_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"),
+    CHAT: (*_OPENAI_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", *_CHAT_KEYS,
+           "max_reasoning_tokens"),
     COMPLETIONS: (*_OPENAI_COMMON, "prompt", "logprobs", "echo", "suffix", "best_of"),
     # "normalize" is vLLM's extra field; "user" is accepted and ignored, as by vLLM.
     EMBEDDINGS: ("model", "input", "encoding_format", "dimensions", "user", "normalize"),
 }
 _OPENAI_UNSUPPORTED = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "logit_bias",
     "audio",
     "modalities",
     "prediction",
-    "parallel_tool_calls",
     "reasoning_effort",
     "web_search_options",
 )
@@ -128,6 +128,7 @@ def _parse_openai(number: int, obj: dict, kind: str, defaults: dict) -> BatchReq
         raise BadLine("unsupported_parameter", "body.stream must be false: batch results are not streamed.")
     fields = {k: body[k] for k in _SAMPLING_KEYS if k in body and k not in ("logprobs",)}
     _take_structured_outputs(body, fields, ("structured_outputs", "response_format", *_GUIDED_KEYS), "body.")
+    chat = take_chat_options(body, fields, defaults, "body.") if kind == CHAT else {}
     if kind == CHAT:
         if body.get("max_completion_tokens") is not None:
             fields["max_tokens"] = body["max_completion_tokens"]
@@ -153,6 +154,7 @@ def _parse_openai(number: int, obj: dict, kind: str, defaults: dict) -> BatchReq
         make_params(defaults, fields),
         model=model if isinstance(model, str) else None,
         echo=kind == COMPLETIONS and echo,
+        **chat,
     )
     if kind == CHAT:
         if "messages" not in body:
@@ -177,13 +179,23 @@ def _parse_openai(number: int, obj: dict, kind: str, defaults: dict) -> BatchReq
     return request
 
 
-def _openai_result(request: BatchRequest, output, decode: Callable[[int], str]) -> dict:
+def _openai_result(request: BatchRequest, output, decode: Callable[[int], str], answers: list | None = None) -> dict:
     created = int(time.time())
     usage = {k: output.usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     choices = []
-    for c in output.outputs:
+    for i, c in enumerate(output.outputs):
         choice: dict = {"index": c.index}
-        if request.kind == CHAT:
+        finish_reason = c.finish_reason
+        if request.kind == CHAT and answers is not None:  # content, and reasoning_content / tool_calls (vLLM's shape)
+            answer = answers[i]
+            choice["message"] = {"role": "assistant", "content": answer.content}
+            if answer.reasoning_content is not None:
+                choice["message"]["reasoning_content"] = answer.reasoning_content
+            if answer.tool_calls:
+                choice["message"]["tool_calls"] = answer.tool_calls
+            finish_reason = answer.finish_reason
+            choice["logprobs"] = _chat_logprobs(c.logprobs, decode) if c.logprobs is not None else None
+        elif request.kind == CHAT:
             choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = _chat_logprobs(c.logprobs, decode) if c.logprobs is not None else None
         elif request.echo:
@@ -199,7 +211,7 @@ def _openai_result(request: BatchRequest, output, decode: Callable[[int], str]) 
         else:
             choice["text"] = c.text
             choice["logprobs"] = _completion_logprobs(c.logprobs, decode) if c.logprobs is not None else None
-        choice["finish_reason"] = c.finish_reason
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = c.stop_reason  # vLLM's extra field: the stop string or token id that matched
         choices.append(choice)
     prefix, obj = ("chatcmpl", "chat.completion") if request.kind == CHAT else ("cmpl", "text_completion")

@@ -11,18 +11,20 @@ from nanoinfer.jsonl.openai import _OPENAI_ID, _openai_error, _openai_result
 from nanoinfer.jsonl.requests import BatchRequest
 
 
-def result_record(request: BatchRequest, output, decode: Callable[[int], str]) -> dict:
-    """The record for a finished RequestOutput (native or OpenAI format)."""
+def result_record(request: BatchRequest, output, decode: Callable[[int], str], answers: list | None = None) -> dict:
+    """The record for a finished RequestOutput (native or OpenAI format). answers: a chat line's completions as
+    chat/answer.ChatAnswers (its text the content, the reasoning and tool calls beside it), else None."""
     if request.is_openai:
-        return _openai_result(request, output, decode)
+        return _openai_result(request, output, decode, answers)
     usage = output.usage
     record: dict = {"id": request.id, "line": request.line}
     if output.lora_request is not None:
         record["lora"] = output.lora_request.lora_name
     choices = [
         {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        | (_native_answer(answers[i]) if answers is not None else {})
         | ({"logprobs": _native_logprobs(c.logprobs)} if c.logprobs is not None else {})
-        for c in output.outputs
+        for i, c in enumerate(output.outputs)
     ]
     if len(choices) == 1:
         record |= {k: v for k, v in choices[0].items() if k != "index"}
@@ -33,6 +35,17 @@ def result_record(request: BatchRequest, output, decode: Callable[[int], str]) -
     record["usage"] = usage
     record["error"] = None
     return record
+
+
+def _native_answer(answer) -> dict:
+    """A chat answer's fields in a native record: text is its content ("" when it has none: cut off while thinking,
+    or only calls), reasoning_content and tool_calls beside it when there are any."""
+    fields = {"text": answer.content or "", "finish_reason": answer.finish_reason}
+    if answer.reasoning_content is not None:
+        fields["reasoning_content"] = answer.reasoning_content
+    if answer.tool_calls:
+        fields["tool_calls"] = answer.tool_calls
+    return fields
 
 
 def error_record(error: LineError) -> dict:

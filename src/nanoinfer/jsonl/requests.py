@@ -4,6 +4,7 @@ structured-output requests, sampling parameters (make_params). The OpenAI envelo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from nanoinfer.errors import RequestError, StructuredOutputError
@@ -19,8 +20,11 @@ _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _SAMPLING_KEYS = tuple(SamplingParams.field_names())
 # Ways to ask for structured output besides "structured_outputs": OpenAI's, and vLLM's older extra fields.
 _GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_NATIVE_KEYS = ("id", *_PROMPT_KEYS, *_SAMPLING_KEYS, "response_format", "lora")
+# A chat line's own keys (OpenAI's, and vLLM's chat_template_kwargs)
+_CHAT_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+_NATIVE_KEYS = ("id", *_PROMPT_KEYS, *_SAMPLING_KEYS, "response_format", "lora", *_CHAT_KEYS)
 ANY_WHITESPACE_DEFAULT = "json_any_whitespace"  # a sampling default of the job (--json-any-whitespace)
+CHAT_TEMPLATE_KWARGS_DEFAULT = "chat_template_kwargs"  # a default of the job (--chat-template-kwargs)
 
 
 @dataclass
@@ -37,6 +41,11 @@ class BatchRequest:
     model: str | None = None  # OpenAI body's "model", echoed in the response (an adapter's name selects it)
     lora: str | None = None  # a native line's "lora": the name of the job's adapter it runs with (None: the base model)
     echo: bool = False  # a completions body's echo: each choice's text (and logprobs) start with the prompt's
+    # A chat line's OpenAI tools and tool_choice, and the chat template's options (the job's, then the line's)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    chat_template_kwargs: dict | None = None
+    prompt_opens_thinking: bool = False  # the rendered prompt ends inside <think> (set when the line is admitted)
 
     @property
     def is_openai(self) -> bool:
@@ -56,7 +65,12 @@ def _parse_native(number: int, obj: dict, defaults: dict) -> BatchRequest:
     request_id = request_id_of(obj, NATIVE) or f"line-{number}"
     fields = {k: obj[k] for k in _SAMPLING_KEYS if k in obj}
     _take_structured_outputs(obj, fields, ("structured_outputs", "response_format"))
-    request = BatchRequest(number, request_id, NATIVE, make_params(defaults, fields), lora=_check_lora(obj.get("lora")))
+    if given[0] != "messages" and any(k in obj for k in _CHAT_KEYS):
+        raise BadLine("invalid_prompt", f"gives {next(k for k in _CHAT_KEYS if k in obj)}, which applies to "
+                      '"messages" (a chat) only.')
+    chat = take_chat_options(obj, fields, defaults, "")
+    request = BatchRequest(number, request_id, NATIVE, make_params(defaults, fields), lora=_check_lora(obj.get("lora")),
+                           **chat)  # fmt: skip
     key = given[0]
     if key == "prompt":
         request.prompt = _check_text_prompt(obj[key], "prompt")
@@ -65,6 +79,33 @@ def _parse_native(number: int, obj: dict, defaults: dict) -> BatchRequest:
     else:
         request.prompt_token_ids = _check_token_ids(obj[key])
     return request
+
+
+def take_chat_options(obj: dict, fields: dict, defaults: dict, where: str) -> dict:
+    """A chat line's tools, tool_choice and chat_template_kwargs, checked, as BatchRequest fields; tool_choice
+    "required" or a named function becomes the JSON schema decoding is held to (chat/tool_calls.py)."""
+    from nanoinfer.chat.tool_calls import check_tools, tool_call_schema
+
+    kwargs = obj.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadLine("invalid_chat_template_kwargs", f"{where}chat_template_kwargs must be a JSON object, got "
+                      f"{_json_type(kwargs)}.")  # fmt: skip
+    tools, tool_choice = obj.get("tools"), obj.get("tool_choice")
+    if tools is None and tool_choice not in (None, "none", "auto"):
+        raise BadLine("invalid_tools", f"{where}tool_choice {_short(tool_choice)} needs {where}tools.")
+    if tools is not None and (problem := check_tools(tools, tool_choice)) is not None:
+        raise BadLine("invalid_tools", f"{where}{problem}")
+    parallel = obj.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise BadLine("invalid_tools", f"{where}parallel_tool_calls must be true or false.")
+    if tools is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        if fields.get("structured_outputs") is not None:
+            raise BadLine("invalid_tools", f"{where}tool_choice {_short(tool_choice)} holds the answer to a tool "
+                          "call: it cannot also take a structured output (response_format).")  # fmt: skip
+        fields["structured_outputs"] = {"json": tool_call_schema(tools, tool_choice, parallel)}
+    template_kwargs = {**defaults.get(CHAT_TEMPLATE_KWARGS_DEFAULT, {}), **(kwargs or {})}
+    return {"tools": tools, "tool_choice": tool_choice if tools is not None else None,
+            "chat_template_kwargs": template_kwargs or None}  # fmt: skip
 
 
 def _take_structured_outputs(obj: dict, fields: dict, keys: tuple[str, ...], where: str = "") -> None:
@@ -104,6 +145,7 @@ def _from_response_format(value, where: str) -> dict | None:
 def make_params(defaults: dict, fields: dict) -> SamplingParams:
     defaults = dict(defaults)
     any_whitespace = defaults.pop(ANY_WHITESPACE_DEFAULT, False)
+    defaults.pop(CHAT_TEMPLATE_KWARGS_DEFAULT, None)  # the chat template's, not a sampling parameter
     structured = fields.get("structured_outputs", defaults.get("structured_outputs"))
     if any_whitespace and isinstance(structured, dict) and "any_whitespace" not in structured:
         fields = {**fields, "structured_outputs": {**structured, "any_whitespace": True}}
@@ -164,7 +206,31 @@ def check_messages(value) -> list[dict]:
                     f"messages[{i}].content has non-text parts; only text is supported.",
                 )
             content = "".join(p["text"] for p in content)
+        if content is None and message.get("tool_calls"):  # an assistant turn that only called tools
+            content = ""
         if not isinstance(content, str):
             raise BadLine("invalid_prompt", f"messages[{i}].content must be a string.")
-        messages.append({**message, "content": content})
+        messages.append({**message, "content": content, **_template_tool_calls(message, i)})
     return messages
+
+
+def _template_tool_calls(message: dict, i: int) -> dict:
+    """An assistant turn's OpenAI tool_calls with their arguments as objects, as chat templates read them (OpenAI
+    sends them as JSON strings); {} without tool calls."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return {}
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              for c in calls):  # fmt: skip
+        raise BadLine("invalid_prompt", f'messages[{i}].tool_calls must be a list of {{"function": {{"name", '
+                      '"arguments"}}} objects.')  # fmt: skip
+    converted = []
+    for call in calls:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                raise BadLine("invalid_prompt", f"messages[{i}].tool_calls: arguments are not JSON.") from None
+        converted.append({**call, "function": function})
+    return {"tool_calls": converted}
