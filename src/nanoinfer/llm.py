@@ -162,10 +162,16 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, formatted by the model's chat template."""
+        """Generate replies to one conversation or a list of them, formatted by the model's chat template (with
+        OpenAI `tools` and the template's own options, e.g. {"enable_thinking": False}, as vLLM's LLM.chat). The
+        replies are the model's text: nanoinfer.chat.answer.chat_answer splits reasoning and tool calls off."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs)
+                   for c in conversations]  # fmt: skip
         return self.generate(prompts, sampling_params, lora_request)
 
     # ---- the streaming API (used by `nanoinfer generate`) ----------------------------------------------

@@ -66,3 +66,10 @@ def test_a_budget_on_a_model_that_does_not_think_is_refused(tmp_path):
     assert plain.reasoning_parser is None
     with pytest.raises(RequestError, match="max_reasoning_tokens needs a model that thinks"):
         plain.generate(["Hello"], SamplingParams(max_reasoning_tokens=4))
+
+
+def test_llm_chat_passes_tools_and_template_options(llm):
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    out = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=4), tools=tools,
+                   chat_template_kwargs={"enable_thinking": False})[0]  # fmt: skip
+    assert '"name": "get_time"' in out.prompt and out.prompt.endswith("<think>\n\n</think>\n\n")
