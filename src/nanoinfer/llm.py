@@ -88,8 +88,9 @@ class LLM:
         vocab, template = self.tokenizer.get_vocab(), getattr(self.tokenizer, "chat_template", None)
         self.reasoning_parser = _parser(config.reasoning_parser, lambda: select_reasoning_parser(vocab, template))
         self.tool_call_parser = _parser(config.tool_call_parser, lambda: select_tool_call_parser(vocab, template))
-        self._thinking_ids = (vocab[THINK_START], vocab[THINK_END]) if THINK_START in vocab and THINK_END in vocab \
-            else None  # single tokens: the engine can hold a grammar back and end a thinking budget on them
+        # <think> and </think> as single tokens: the engine can hold a grammar back and end a thinking budget on them
+        self.thinking_token_ids = (vocab[THINK_START], vocab[THINK_END]) if THINK_START in vocab \
+            and THINK_END in vocab else None
 
     # ---- the batch API --------------------------------------------------------------------------------
     def generate(
@@ -133,14 +134,17 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         return self._run_all(prompts, _broadcast_params(pooling_params, len(prompts), PoolingParams))
 
-    def _run_all(self, prompts: list, params: list, loras: list | None = None) -> list:
+    def _run_all(self, prompts: list, params: list, loras: list | None = None, chat: bool = False) -> list:
+        # every adapter and budget before any request is queued: a refusal leaves none behind
         for lora in {id(lora): lora for lora in loras or ()}.values():
-            self._check_lora(lora)  # every adapter before any request is queued: a refusal leaves none behind
+            self._check_lora(lora)
+        for p in {id(p): p for p in params}.values():
+            self._check_reasoning_budget(p)
         ids = []
         results: dict = {}
         for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
             try:
-                ids.append(self.add_request(prompt, p, lora_request=lora))
+                ids.append(self.add_request(prompt, p, lora_request=lora, chat=chat))
             except UnservableRequestError as e:
                 refused = _refused_output(str(next(self._request_counter)), prompt, p, e)
                 ids.append(refused.request_id)
@@ -172,12 +176,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs)
                    for c in conversations]  # fmt: skip
-        return self.generate(prompts, sampling_params, lora_request)
+        self._check_runner("generate")
+        params = _broadcast_params(sampling_params, len(prompts), SamplingParams)
+        return self._run_all(prompts, params, _broadcast_loras(lora_request, len(prompts)), chat=True)
 
     # ---- the streaming API (used by `nanoinfer generate`) ----------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, *, prompt_logprobs_start: int = 1,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, chat: bool = False) -> str:
         """Admit one prompt: tokenize it, check that it can be served, and queue it in the engine.
 
         Args:
@@ -189,6 +195,8 @@ class LLM:
                 earlier entries are None and the prefix cache may serve those tokens (scoring a continuation
                 after a context other requests share computes the context once).
             lora_request: the adapter this request runs with (None: the base model); read and checked here.
+            chat: the prompt is a chat template's rendering: on a model that thinks first, a structured output holds
+                the answer after the thinking (a plain prompt's holds the whole output).
 
         Returns:
             The request id.
@@ -225,7 +233,7 @@ class LLM:
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         request = Request(request_id, token_ids, params, prompt=text, prompt_logprobs_start=prompt_logprobs_start,
                           pooling=pooling, lora_request=lora_request,
-                          reasoning=self._reasoning_tokens(params, token_ids))  # fmt: skip
+                          reasoning=self._reasoning_tokens(params, token_ids, chat))  # fmt: skip
         if pooling is not None:
             request.first_pooled_position = first_pooled_position(self.config.pooling_type, len(token_ids))
         if params.structured_outputs is not None:
@@ -252,20 +260,30 @@ class LLM:
                                f"Ask for at most {hidden_size}, or leave it out.", code="invalid_pooling_params")
         return params
 
-    def _reasoning_tokens(self, params: SamplingParams, token_ids: list[int]) -> ReasoningTokens | None:
-        """The thinking tokens the engine watches for a request whose budget or grammar needs them (None: the
-        output is taken as it comes); a RequestError for a budget on a model that does not think."""
-        if params.max_reasoning_tokens is None and params.structured_outputs is None:
+    def _reasoning_tokens(self, params: SamplingParams, token_ids: list[int], chat: bool) -> ReasoningTokens | None:
+        """The thinking tokens the engine watches for a request whose budget, or a chat request whose grammar, needs
+        them (None: the output is taken as it comes)."""
+        if params.max_reasoning_tokens is None and not (chat and params.structured_outputs is not None):
             return None
-        if self.reasoning_parser != "think" or self._thinking_ids is None:
-            if params.max_reasoning_tokens is not None:
-                raise RequestError("max_reasoning_tokens needs a model that thinks between <think> and </think> "
-                                   "tokens (Qwen3, SmolLM3, DeepSeek-R1); this one does not. Leave it out.",
-                                   code="invalid_sampling_params")  # fmt: skip
+        if self.reasoning_parser != "think" or self.thinking_token_ids is None:
+            self._check_reasoning_budget(params)
             return None
         tail = self.tokenizer.decode(token_ids[-16:])
-        return ReasoningTokens(*self._thinking_ids, opened_by_prompt=prompt_opens_thinking(tail),
+        return ReasoningTokens(*self.thinking_token_ids, opened_by_prompt=prompt_opens_thinking(tail),
                                closed_by_prompt=prompt_closes_thinking(tail))  # fmt: skip
+
+    def _check_reasoning_budget(self, params) -> None:
+        """A RequestError for a thinking budget this LLM cannot keep (a model that does not think between <think>
+        tokens, or a reasoning parser set to another)."""
+        if not isinstance(params, SamplingParams) or params.max_reasoning_tokens is None:
+            return
+        if self.reasoning_parser == "think" and self.thinking_token_ids is not None:
+            return
+        why = ("its reasoning parser is " + repr(self.reasoning_parser) if self.reasoning_parser is not None
+               and self.thinking_token_ids is not None else "this model does not, or reasoning_parser is none")
+        raise RequestError(f"max_reasoning_tokens needs a model that thinks between <think> and </think> tokens "
+                           f"(Qwen3, SmolLM3, DeepSeek-R1) and reasoning_parser think; {why}. Leave it out.",
+                           code="invalid_sampling_params")  # fmt: skip
 
     def _check_lora(self, lora: LoRARequest | None) -> None:
         """The adapter read and checked against the model (cached for the steps that run it), or a RequestError."""

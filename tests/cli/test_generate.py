@@ -221,7 +221,8 @@ def test_overwrite_replaces_the_output_and_its_manifest(files, tiny_model):
     assert "stale" not in out.read_text() and len(read(out)) == len(PROMPTS)
     manifest = json.loads((out.parent / "out.jsonl.manifest.json").read_text())
     assert manifest["input"]["num_lines"] == len(PROMPTS)
-    assert manifest["result_fields"] == {"max_model_len": 256, "dtype": "float32", "seed": 0}
+    assert manifest["result_fields"] == {"max_model_len": 256, "dtype": "float32", "seed": 0,
+                                         "reasoning_parser": "auto", "tool_call_parser": "auto"}
 
 
 # ---- summary and progress --------------------------------------------------------------------------------------
@@ -284,7 +285,7 @@ class SignallingLLM:
     def __init__(self, config, signum: int | None = None, at_step: int = 3):
         self.config = config
         self.tokenizer = None
-        self.reasoning_parser = self.tool_call_parser = None  # its records are plain text
+        self.reasoning_parser = self.tool_call_parser = self.thinking_token_ids = None  # plain-text records
         self.queue: deque[tuple[str, list[int]]] = deque()
         self.signum, self.at_step, self.num_steps = signum, at_step, 0
         self.max_prompt_chars = 10_000
@@ -292,7 +293,7 @@ class SignallingLLM:
     def encode(self, text):
         return [1, 2]
 
-    def add_request(self, token_ids, params, request_id, lora_request=None):
+    def add_request(self, token_ids, params, request_id, lora_request=None, chat=False):
         self.queue.append((request_id, token_ids))
 
     def step(self):

@@ -73,3 +73,43 @@ def test_llm_chat_passes_tools_and_template_options(llm):
     out = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=4), tools=tools,
                    chat_template_kwargs={"enable_thinking": False})[0]  # fmt: skip
     assert '"name": "get_time"' in out.prompt and out.prompt.endswith("<think>\n\n</think>\n\n")
+
+
+def test_a_plain_prompt_keeps_its_grammar_from_the_first_token(llm):
+    """Not a chat: the grammar holds the whole output, <think> or not (the answer is not split)."""
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": SCHEMA})
+    for prompt in ("Answer in JSON.", llm.apply_chat_template(MESSAGES)):  # even one that ends inside <think>
+        out = llm.generate([prompt], params)[0]
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_a_chat_whose_template_leaves_thinking_open_may_think_then_answers_to_the_schema(llm):
+    """A template that neither opens nor closes <think>: the first token may open the thinking (allowed beside the
+    grammar's tokens), else the grammar holds the answer from the first token."""
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    params = SamplingParams(temperature=0, max_tokens=40, max_reasoning_tokens=2, structured_outputs={"json": SCHEMA})
+    llm.add_request(prompt, params, request_id="open", chat=True)
+    (out,) = [o for o in _drain(llm) if o.request_id == "open"]
+    split = split_reasoning("think", out.text)
+    jsonschema.validate(json.loads(split.content), SCHEMA)
+
+
+def test_the_forced_end_of_thinking_is_the_token_logprobs_describe(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, max_reasoning_tokens=3, logprobs=2)
+    out = llm.generate([llm.apply_chat_template(MESSAGES)], params)[0]
+    assert [lp.token_id for lp in out.outputs[0].logprobs] == out.token_ids
+    assert out.outputs[0].logprobs[3].logprob == 0.0  # the only token the budget allowed
+
+
+def test_a_refused_budget_in_a_list_queues_none_of_the_prompts(tmp_path):
+    plain = LLM(build_tiny_model("qwen3", tmp_path / "plain"))
+    with pytest.raises(RequestError):
+        plain.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(max_reasoning_tokens=1)])
+    assert not plain.has_unfinished_requests()
+
+
+def _drain(llm) -> list:
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += llm.step()[0]
+    return outs

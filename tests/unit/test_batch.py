@@ -288,7 +288,7 @@ class CountingLLM:
     def __init__(self, config, batch_size: int = 8):
         self.config = config
         self.tokenizer = _Tokenizer()
-        self.reasoning_parser = self.tool_call_parser = None  # its records are plain text
+        self.reasoning_parser = self.tool_call_parser = self.thinking_token_ids = None  # plain-text records
         self.batch_size = batch_size
         self.queue: deque[tuple[str, list[int]]] = deque()
         self.max_in_flight = 0
@@ -305,7 +305,7 @@ class CountingLLM:
     def apply_chat_template(self, messages):
         return " ".join(m["content"] for m in messages)
 
-    def add_request(self, token_ids, params, request_id, lora_request=None):
+    def add_request(self, token_ids, params, request_id, lora_request=None, chat=False):
         self.queue.append((request_id, token_ids))
         self.max_in_flight = max(self.max_in_flight, len(self.queue))
 

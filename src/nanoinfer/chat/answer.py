@@ -19,15 +19,18 @@ class ChatAnswer:
 
 @dataclass(frozen=True)
 class ChatParsers:
-    """What a job splits and parses chat answers with (None: not at all)."""
+    """What a job splits and parses chat answers with (None: not at all). special_think_tokens: the model's <think>
+    tokens are special ones (decoded text leaves them out)."""
 
     reasoning: str | None = None
     tool_calls: str | None = None
+    special_think_tokens: bool = False
 
-    def needs_special_tokens(self) -> bool:
-        """Do the formats live in special tokens (gpt-oss's channels, Mistral's [TOOL_CALLS])? Then the parsers read
-        the output decoded with them."""
-        return self.reasoning == "harmony" or self.tool_calls == "mistral"
+    def needs_special_tokens(self, parses_tools: bool) -> bool:
+        """Do the formats live in special tokens (gpt-oss's channels, Mistral's [TOOL_CALLS], <think> where it is
+        special)? Then the parsers read the output decoded with them. parses_tools: the line's calls are parsed."""
+        return (self.reasoning == "harmony" or (self.reasoning == "think" and self.special_think_tokens)
+                or (parses_tools and self.tool_calls in ("mistral", "harmony")))
 
 
 def chat_answer(text: str, finish_reason: str | None, parsers: ChatParsers, *, prompt_opened: bool = False,

@@ -39,6 +39,7 @@ from nanoinfer.jsonl.requests import (
     ANY_WHITESPACE_DEFAULT,
     CHAT_TEMPLATE_KWARGS_DEFAULT,
     DEFAULT_MAX_TOKENS,
+    RESERVED_TEMPLATE_KWARGS,
     make_params,
 )
 from nanoinfer.jsonl.writer import RecordWriter
@@ -415,6 +416,10 @@ def _read_chat_template_kwargs(text: str) -> dict:
                            "'{\"enable_thinking\": false}'.") from None
     if not isinstance(value, dict):
         raise RequestError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}.")
+    reserved = sorted(set(value) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise RequestError(f"--chat-template-kwargs may not set {', '.join(reserved)}: nanoinfer renders each line's "
+                           "messages and tools with the model's template.")
     return value
 
 

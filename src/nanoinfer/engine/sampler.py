@@ -43,6 +43,7 @@ class Sampler:
             return self.argmax(logits).tolist()  # the logits as they are: widening them would not change the argmax
         bitmask, self._bitmask = self._bitmask, None
         logits = apply_grammar_bitmask(logits.float(), seqs, bitmask)
+        logits = _force_reasoning_end(logits, seqs)
         raw_logits = logits
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
@@ -133,3 +134,18 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> l
     else:
         tops = [[] for _ in targets]
     return [Logprob(t, v, top) for t, v, top in zip(targets, own, tops)]
+
+
+def _force_reasoning_end(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Rows whose thinking budget is spent can only take the end-of-thinking token (vLLM's thinking-budget logits
+    processor): it is sampled, and its logprob is that of the distribution it was drawn from."""
+    forced = [(i, seq.reasoning.forced_token()) for i, seq in enumerate(seqs) if seq.reasoning is not None]
+    forced = [(i, token_id) for i, token_id in forced if token_id is not None]
+    if not forced:
+        return logits
+    logits = logits.clone()
+    for i, token_id in forced:
+        kept = logits[i, token_id].clone()
+        logits[i] = float("-inf")
+        logits[i, token_id] = kept if torch.isfinite(kept) else 0.0
+    return logits

@@ -256,9 +256,6 @@ class Scheduler:
             reason = None
             num_appended = 0
             for token_id in token_ids:  # one at a time: the stop rules see each token as plain decoding would
-                if seq.reasoning is not None:
-                    # a spent thinking budget: the end-of-thinking token instead (no speculation: see _speculate)
-                    token_id = seq.reasoning.forced_token() or token_id
                 constrained = seq.grammar_takes(token_id)
                 if seq.reasoning is not None:
                     seq.reasoning.advance(token_id, first=seq.num_output_tokens == 0)

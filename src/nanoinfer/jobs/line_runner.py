@@ -49,7 +49,9 @@ class LineRunner:
         self.pending: dict[str, BatchRequest] = {}
         self.loras = lora_requests(llm.config.loras)
         self._decode = lambda token_id: llm.tokenizer.decode([token_id])
-        self.parsers = ChatParsers(llm.reasoning_parser, llm.tool_call_parser)
+        thinking = llm.thinking_token_ids
+        special = thinking is not None and llm.tokenizer.decode(thinking[:1], skip_special_tokens=True) == ""
+        self.parsers = ChatParsers(llm.reasoning_parser, llm.tool_call_parser, special_think_tokens=special)
 
     def add(self, item: BatchRequest | LineError) -> FinishedLine | None:
         """Queue a line in the engine (None), or return its error record at once."""
@@ -105,18 +107,28 @@ class LineRunner:
                                               f"line {request.line}: {internal_error_message(e)}"))
         return FinishedLine(request.line, record, output.usage, False)
 
-
     def _answer(self, request: BatchRequest, completion) -> ChatAnswer:
         """A chat line's completion split into reasoning, content and tool calls (chat/answer.py)."""
         text = completion.text
-        if self.parsers.needs_special_tokens():  # the formats are special tokens: read them, less a final EOS
-            ids = completion.token_ids
-            if ids and ids[-1] in self.llm.eos_token_ids:
-                ids = ids[:-1]
-            text = self.llm.tokenizer.decode(ids, skip_special_tokens=False)
+        parses_tools = bool(request.tools) and request.tool_choice != "none"
+        if self.parsers.needs_special_tokens(parses_tools):
+            text = _text_with_special_tokens(self.llm, completion)
         return chat_answer(text, completion.finish_reason, self.parsers, prompt_opened=request.prompt_opens_thinking,
                            tools=request.tools, tool_choice=request.tool_choice,
                            seed=f"{request.id}:{completion.index}")  # fmt: skip
+
+
+def _text_with_special_tokens(llm, completion) -> str:
+    """The completion decoded with its special tokens (where a format lives in them), less the token that ended it
+    (EOS, a stop token id) and cut at its stop string, as its text is."""
+    ids = completion.token_ids
+    if ids and (ids[-1] in llm.eos_token_ids or ids[-1] == completion.stop_reason):
+        ids = ids[:-1]
+    text = llm.tokenizer.decode(ids, skip_special_tokens=False)
+    if completion.finish_reason == "stop" and isinstance(completion.stop_reason, str):
+        cut = text.find(completion.stop_reason)
+        text = text[:cut] if cut >= 0 else text
+    return text
 
 
 def select_lora(request: BatchRequest, loras: dict[str, LoRARequest]) -> LoRARequest | None:
@@ -149,7 +161,8 @@ def admit(llm, request: BatchRequest, loras: dict[str, LoRARequest]) -> LineErro
             request.prompt_opens_thinking = prompt_opens_thinking(prompt)
         else:
             prompt = request.prompt
-        llm.add_request(prompt, request.params, request_id=str(request.line), lora_request=lora)
+        llm.add_request(prompt, request.params, request_id=str(request.line), lora_request=lora,
+                        chat=request.messages is not None)  # fmt: skip
     except RequestError as e:
         return LineError(request.line, request.id, request.kind, e.code, f"line {request.line}: {e}")
     except Exception as e:  # the per-line boundary: a bug here must not end the job

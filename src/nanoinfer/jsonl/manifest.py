@@ -18,7 +18,9 @@ from nanoinfer.jsonl.records import record_line_number
 MANIFEST_VERSION = 1
 # Config fields that change what a request produces; a resumed job must keep them. Others (batch sizes,
 # cache size, device) only change speed and may differ between runs.
-RESULT_FIELDS = ("max_model_len", "dtype", "seed")
+RESULT_FIELDS = ("max_model_len", "dtype", "seed", "reasoning_parser", "tool_call_parser")
+# What a manifest written before a result field existed meant by it
+_RESULT_FIELD_DEFAULTS = {"reasoning_parser": "auto", "tool_call_parser": "auto"}
 
 
 def manifest_path(output: Path) -> Path:
@@ -161,7 +163,8 @@ def manifest_differences(old: dict, new: dict) -> list[str]:
             f"this run uses {new['model']['path']} (config.json or weight files differ)"
         )
     for name in RESULT_FIELDS:
-        before, now = old.get("result_fields", {}).get(name), new["result_fields"][name]
+        before = old.get("result_fields", {}).get(name, _RESULT_FIELD_DEFAULTS.get(name))
+        now = new["result_fields"][name]
         if before != now:
             problems.append(
                 f"{name} was {before!r} when the output was started and is {now!r} now "

@@ -25,6 +25,9 @@ _CHAT_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwar
 _NATIVE_KEYS = ("id", *_PROMPT_KEYS, *_SAMPLING_KEYS, "response_format", "lora", *_CHAT_KEYS)
 ANY_WHITESPACE_DEFAULT = "json_any_whitespace"  # a sampling default of the job (--json-any-whitespace)
 CHAT_TEMPLATE_KWARGS_DEFAULT = "chat_template_kwargs"  # a default of the job (--chat-template-kwargs)
+# What chat_template_kwargs may not set: the rendering's own arguments
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                                      "chat_template", "continue_final_message", "return_dict", "conversation"})
 
 
 @dataclass
@@ -90,6 +93,10 @@ def take_chat_options(obj: dict, fields: dict, defaults: dict, where: str) -> di
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadLine("invalid_chat_template_kwargs", f"{where}chat_template_kwargs must be a JSON object, got "
                       f"{_json_type(kwargs)}.")  # fmt: skip
+    reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise BadLine("invalid_chat_template_kwargs", f"{where}chat_template_kwargs may not set {', '.join(reserved)}: "
+                      "nanoinfer renders the line's own messages and tools with the model's template.")  # fmt: skip
     tools, tool_choice = obj.get("tools"), obj.get("tool_choice")
     if tools is None and tool_choice not in (None, "none", "auto"):
         raise BadLine("invalid_tools", f"{where}tool_choice {_short(tool_choice)} needs {where}tools.")
