@@ -112,8 +112,8 @@ class Config:
             each folder is checked against the model (rank, targets, shapes) with the rest of the config.
         reasoning_parser: auto | none | think | harmony: how chat answers split into reasoning_content and content
             (auto: from the tokenizer's tokens and chat template; think: <think>...</think>, harmony: gpt-oss).
-        tool_call_parser: auto | none | hermes | llama3_json | mistral: how chat answers' tool calls are read
-            (auto: from the tokenizer and chat template).
+        tool_call_parser: auto | none | hermes | llama3_json | mistral | harmony: how chat answers' tool calls are
+            read (auto: from the tokenizer and chat template; harmony: gpt-oss's to=functions.NAME messages).
 
     Raises:
         ConfigError: listing every invalid field at once (field, value, rule and fix).

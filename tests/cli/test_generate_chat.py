@@ -108,3 +108,22 @@ def test_chat_template_kwargs_for_the_job_and_a_line(tmp_path, thinking_model):
     result = runner.invoke(app, ["generate", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "x.jsonl"),
                                  "--chat-template-kwargs", "[1]", "--model", str(thinking_model)])  # fmt: skip
     assert result.exit_code == 2 and "must be a JSON object" in result.output
+
+
+def test_auto_parses_a_hermes_call_the_model_wrote(tmp_path, thinking_model):
+    """The thinking tokenizer has <tool_call>: hermes is chosen. A regex steers the answer into a call (after a
+    thinking cut at once by its budget); "auto" parses it, and a call to a function the line does not list is text."""
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    other = '<tool_call>{"name": "launch", "arguments": {}}</tool_call>'
+    steer = {"max_tokens": 64, "max_reasoning_tokens": 0, "ignore_eos": False}
+    lines = [chat_line("auto", tools=[WEATHER, TIME], tool_choice="auto", guided_regex=call.replace("{", "\\{")
+                       .replace("}", "\\}"), **steer),
+             chat_line("unknown", tools=[WEATHER, TIME], tool_choice="auto", guided_regex=other.replace("{", "\\{")
+                       .replace("}", "\\}"), **steer)]  # fmt: skip
+    records = run(tmp_path, lines, "--model", str(thinking_model))
+    completion = ChatCompletion.model_validate(records["auto"]["response"]["body"])
+    assert completion.choices[0].finish_reason == "tool_calls" and completion.choices[0].message.content is None
+    (parsed,) = completion.choices[0].message.tool_calls
+    assert (parsed.function.name, json.loads(parsed.function.arguments)) == ("get_time", {"zone": "UTC"})
+    message = ChatCompletion.model_validate(records["unknown"]["response"]["body"]).choices[0].message
+    assert not message.tool_calls and message.content == other

@@ -27,6 +27,8 @@ from nanoinfer.chat.tool_calls import (
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "description": "now"}}
+BAD_PATTERN = {"type": "function", "function": {"name": "lookup", "parameters": {  # an unclosed regex class
+    "type": "object", "properties": {"id": {"type": "string", "pattern": "(["}}}}}
 
 
 @pytest.mark.parametrize("text, prompt_opened, expected", [
@@ -43,6 +45,12 @@ def test_think_parser(text, prompt_opened, expected):
     assert split_reasoning("think", text, prompt_opened) == expected
 
 
+def test_think_parser_keeps_a_closing_tag_as_content_when_the_prompt_closed_the_thinking():
+    text = "Use </think> to end a thought.\nThat is all."  # Qwen3, enable_thinking false: no thought to split off
+    assert split_reasoning("think", text, prompt_closed=True) == ReasoningSplit(None, text)
+    assert split_reasoning("think", text).reasoning_content == "Use"  # what the prompt's closing tag prevents
+
+
 def test_harmony_parser_splits_channels_and_reports_an_unfinished_analysis():
     text = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>final<|message|>"
             "Sunny.<|return|>")  # fmt: skip
@@ -50,6 +58,49 @@ def test_harmony_parser_splits_channels_and_reports_an_unfinished_analysis():
     assert split_reasoning("harmony", "<|channel|>analysis<|message|>Need the") == ReasoningSplit("Need the", None,
                                                                                                    False)  # fmt: skip
     assert split_reasoning("harmony", "plain text") == ReasoningSplit(None, "plain text")
+
+
+# gpt-oss's output after the prompt's `<|start|>assistant`: a thought, a preamble, a call (recipient after the channel)
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
+                "<|start|>assistant<|channel|>commentary<|message|>Checking Paris.<|end|>")  # fmt: skip
+HARMONY_CALL_MESSAGE = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                        '<|message|>{"city":"Paris"}<|call|>')  # fmt: skip
+
+
+def test_harmony_parser_keeps_preambles_and_final_text_as_content_in_order():
+    text = ("<|channel|>analysis<|message|>Plan.<|end|><|start|>assistant<|channel|>commentary<|message|>Let me look."
+            "<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>")  # fmt: skip
+    assert split_reasoning("harmony", text) == ReasoningSplit("Plan.", "Let me look.\nSunny.")
+    # A call message is no reasoning: it stays in the content as written, for the tool-call parser to take out.
+    split = split_reasoning("harmony", HARMONY_CALL + HARMONY_CALL_MESSAGE)
+    assert split == ReasoningSplit("Need the weather.", "Checking Paris.\n" + HARMONY_CALL_MESSAGE)
+
+
+@pytest.mark.parametrize("text, calls, content", [
+    (HARMONY_CALL + HARMONY_CALL_MESSAGE, [ToolCall("get_weather", '{"city": "Paris"}')], "Checking Paris."),
+    # the recipient before the channel, in the first message (the prompt wrote its `<|start|>assistant`)
+    (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>',
+     [ToolCall("get_weather", '{"city": "Oslo"}')], None),
+    ('<|channel|>analysis<|message|>Two.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json'
+     '<|message|>{"city": "Rome"}<|call|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>'
+     '{}<|call|>', [ToolCall("get_weather", '{"city": "Rome"}'), ToolCall("get_time", "{}")], None),
+    (HARMONY_CALL + HARMONY_CALL_MESSAGE.removesuffix("<|call|>"),  # <|call|> left out by the decode: still whole
+     [ToolCall("get_weather", '{"city": "Paris"}')], "Checking Paris."),
+    ("<|channel|>final<|message|>No call needed.<|return|>", [], "No call needed."),
+])  # fmt: skip
+def test_harmony_tool_call_parser_reads_calls_from_the_raw_output(text, calls, content):
+    assert parse_tool_calls("harmony", text, {"get_weather", "get_time"}) == (calls, content)
+
+
+@pytest.mark.parametrize("call_message", [
+    HARMONY_CALL_MESSAGE.replace('"Paris"}', '"Par'),  # cut off by max_tokens
+    HARMONY_CALL_MESSAGE.replace('{"city":"Paris"}', '["Paris"]'),  # arguments not an object
+    HARMONY_CALL_MESSAGE.replace("get_weather", "get_news"),  # not among the line's tools
+    HARMONY_CALL_MESSAGE.replace("functions.get_weather", "python"),  # a built-in tool nanoinfer does not run
+])  # fmt: skip
+def test_harmony_tool_call_parser_leaves_an_invalid_call_in_the_content(call_message):
+    calls, content = parse_tool_calls("harmony", HARMONY_CALL + call_message, {"get_weather"})
+    assert (calls, content) == ([], "Checking Paris.\n" + call_message)
 
 
 def test_prompt_opens_or_closes_thinking_only_at_its_end():
@@ -69,6 +120,7 @@ def test_parsers_are_selected_from_the_vocabulary_and_template():
     assert select_tool_call_parser({"[TOOL_CALLS]": 5}, None) == "mistral"
     assert select_tool_call_parser({}, "{% if tools %}<|python_tag|>{% endif %}") == "llama3_json"
     assert select_tool_call_parser({}, "{{ messages }}") is None
+    assert select_tool_call_parser({"<|channel|>": 1, "<|message|>": 2, "<|python_tag|>": 3}, None) == "harmony"
 
 
 @pytest.mark.parametrize("parser, text, calls, content", [
@@ -97,6 +149,26 @@ def test_tool_call_parsers(parser, text, calls, content):
     assert parse_tool_calls(parser, text) == (calls, content)
 
 
+@pytest.mark.parametrize("parser, text", [
+    ("llama3_json", '{"name": "Bob", "age": 3}'),  # an answer that is JSON data, not a call
+    ("hermes", '<tool_call>{"name": "get_time"}</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time"}]'),
+])  # fmt: skip
+def test_an_object_without_arguments_is_no_call(parser, text):
+    assert parse_tool_calls(parser, text) == ([], text)
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>\n'
+               '<tool_call>{"name": "delete_files", "arguments": {}}</tool_call>'),  # one of two unlisted: no call
+    ("llama3_json", '{"name": "Bob", "parameters": {"age": 3}}'),
+    ("mistral", '[TOOL_CALLS]delete_files[ARGS]{}'),
+])  # fmt: skip
+def test_a_call_to_a_function_the_tools_do_not_list_is_no_call(parser, text):
+    assert parse_tool_calls(parser, text, names=["get_weather", "get_time"]) == ([], text)
+    assert parse_tool_calls(parser, text)[0]  # without names, the same answer is a call
+
+
 def test_constrained_calls_follow_the_schema_decoding_was_held_to():
     tools = [WEATHER, TIME]
     schema = tool_call_schema(tools, "required")
@@ -123,6 +195,13 @@ def test_constrained_calls_follow_the_schema_decoding_was_held_to():
     ([WEATHER, WEATHER], None, "twice"),
     ([WEATHER], "sometimes", "tool_choice must be"),
     ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "which tools do not list"),
+    ([WEATHER], {"type": "function", "function": "get_weather"}, "tool_choice must be"),  # was an AttributeError
+    ([WEATHER], {"type": "function"}, "tool_choice must be"),
+    ([WEATHER, BAD_PATTERN], "auto", None),  # free text: nothing is compiled
+    ([WEATHER, BAD_PATTERN], {"type": "function", "function": {"name": "get_weather"}}, None),
+    ([WEATHER, BAD_PATTERN], "required", "tools[1].function.parameters is not a JSON schema xgrammar can compile: "
+                                         "Regex parsing error at position 3: Unclosed '['"),
+    ([WEATHER, BAD_PATTERN], {"type": "function", "function": {"name": "lookup"}}, "tools[1].function.parameters"),
 ])  # fmt: skip
 def test_check_tools(tools, tool_choice, problem):
     found = check_tools(tools, tool_choice)

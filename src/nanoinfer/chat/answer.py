@@ -34,21 +34,27 @@ class ChatParsers:
 
 
 def chat_answer(text: str, finish_reason: str | None, parsers: ChatParsers, *, prompt_opened: bool = False,
-                tools: list | None = None, tool_choice=None, seed: str = "") -> ChatAnswer:  # fmt: skip
-    """`text`, a chat completion's output, as content, reasoning_content and tool_calls. prompt_opened: the prompt
-    ended inside a thought; tools / tool_choice: the line's; seed: what makes the call ids (the line and choice)."""
+                prompt_closed: bool = False, tools: list | None = None, tool_choice=None,
+                seed: str = "") -> ChatAnswer:  # fmt: skip
+    """`text`, a chat completion's output, as content, reasoning_content and tool_calls. prompt_opened / closed: the
+    prompt ended inside a thought / after a closed one; tools / tool_choice: the line's; seed: what makes the call
+    ids (the line and choice). Only calls to the line's tools count: any other text stays content."""
     reasoning, content = None, text
     if parsers.reasoning is not None:
-        split = split_reasoning(parsers.reasoning, text, prompt_opened)
+        split = split_reasoning(parsers.reasoning, text, prompt_opened, prompt_closed)
         reasoning, content = split.reasoning_content, split.content
         if not split.finished:  # cut off while thinking: no answer, and no call, was given
             return ChatAnswer(None, reasoning, [], finish_reason)
     calls = []
     if tools and tool_choice != "none" and content is not None:
+        names = [tool["function"]["name"] for tool in tools]
         if tool_choice == "required" or isinstance(tool_choice, dict):
             calls = parse_constrained_calls(content, tool_choice)
             content = None if calls else content  # cut off before the JSON closed: the text as it came
+        elif parsers.tool_calls == "harmony":  # calls are messages of their own, beside the final channel's
+            calls, rest = parse_tool_calls("harmony", text, names)
+            content = rest if calls else content
         elif parsers.tool_calls is not None:
-            calls, content = parse_tool_calls(parsers.tool_calls, content)
+            calls, content = parse_tool_calls(parsers.tool_calls, content, names)
     tool_calls = [call.to_openai(call_id(seed, i)) for i, call in enumerate(calls)]
     return ChatAnswer(content, reasoning, tool_calls, "tool_calls" if tool_calls else finish_reason)

@@ -3,12 +3,18 @@
 - "hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more (Qwen2.5, Qwen3, Hermes, SmolLM3);
 - "llama3_json": the whole answer a JSON object `{"name": ..., "parameters": {...}}` (or several joined by `;`),
   after an optional `<|python_tag|>` (Llama 3.1-3.3);
-- "mistral": `[TOOL_CALLS]` then a JSON list of calls, or (newer tokenizers) `name[ARGS]{...}` calls one after another.
+- "mistral": `[TOOL_CALLS]` then a JSON list of calls, or (newer tokenizers) `name[ARGS]{...}` calls one after another;
+- "harmony": gpt-oss's messages to `functions.NAME` (`<|channel|>commentary to=functions.NAME <|constrain|>json
+  <|message|>{...}<|call|>`), their bodies the arguments. They live beside the analysis and final channels, not in
+  the content split off them, so this parser reads the RAW output (special tokens kept) and returns the content as
+  reasoning.split_reasoning("harmony") gives it, less the call messages.
 `tool_choice` "required" or a named function holds decoding to tool_call_schema instead, whatever the family: a JSON
 list of `{"name", "parameters"}` objects, or the one function's arguments (parse_constrained_calls reads them).
 
-A parser returns the calls and the content left beside them; text that is not a valid call is no call (the answer
-stays content: "auto" falls back to it). Arguments come out as a JSON string, as OpenAI sends them.
+A parser returns the calls and the content left beside them. All or nothing: when any call is not a valid one (cut
+off, malformed JSON, no "arguments" / "parameters" key: models write `{}` for a function without any, or a call to a
+function the line's tools do not list), the answer has no call and stays content as written ("auto" falls back to it).
+Arguments come out as a JSON string, as OpenAI sends them.
 """
 
 from __future__ import annotations
@@ -16,9 +22,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+from nanoinfer.chat.reasoning import (
+    HARMONY_CHANNEL,
+    HARMONY_MESSAGE,
+    HarmonyMessage,
+    harmony_content,
+    harmony_messages,
+)
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "harmony")
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,8 @@ def call_id(seed: str, index: int) -> str:
 def select_tool_call_parser(vocab: dict[str, int], chat_template: str | None) -> str | None:
     """The parser a model's tokenizer and template call for, or None (a template without tools)."""
     template = chat_template or ""
+    if HARMONY_CHANNEL in vocab and HARMONY_MESSAGE in vocab:  # gpt-oss (its template mentions none of the others)
+        return "harmony"
     if "<tool_call>" in vocab or "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in vocab:
@@ -47,22 +64,34 @@ def select_tool_call_parser(vocab: dict[str, int], chat_template: str | None) ->
     return None
 
 
-def parse_tool_calls(parser: str, text: str) -> tuple[list[ToolCall], str | None]:
-    """(calls, the content beside them: None when there is none) of an answer's text."""
+def parse_tool_calls(parser: str, text: str, names: Collection[str] | None = None) -> tuple[list[ToolCall], str | None]:
+    """(calls, the content beside them: None when there is none) of an answer's text: the content after the reasoning
+    was split off, except for "harmony", which takes the raw output (the module's docstring says why). names: the
+    functions the line's tools list; a call to any other makes the answer one without calls (None: any name)."""
+    if parser == "harmony":
+        return _parse_harmony(text, names)
     if parser == "hermes":
-        return _parse_hermes(text)
-    if parser == "llama3_json":
-        return _parse_llama3_json(text)
-    if parser == "mistral":
-        return _parse_mistral(text)
-    raise ValueError(f"unknown tool-call parser {parser!r}")
+        calls, content = _parse_hermes(text)
+    elif parser == "llama3_json":
+        calls, content = _parse_llama3_json(text)
+    elif parser == "mistral":
+        calls, content = _parse_mistral(text)
+    else:
+        raise ValueError(f"unknown tool-call parser {parser!r}")
+    if names is not None and any(call.name not in names for call in calls):
+        return [], text
+    return calls, content
 
 
 def _call(obj, argument_keys=("arguments", "parameters")) -> ToolCall | None:
-    """A {"name", "arguments" | "parameters"} object as a call, or None when it is not one."""
+    """A {"name", "arguments" | "parameters"} object as a call, or None when it is not one (no arguments key
+    included: `{"name": "Bob", "age": 3}` is data, not a call)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    arguments = next((obj[key] for key in argument_keys if key in obj), {})
+    key = next((key for key in argument_keys if key in obj), None)
+    if key is None:
+        return None
+    arguments = obj[key]
     if isinstance(arguments, str):  # some models write the arguments as a JSON string already
         try:
             arguments = json.loads(arguments)
@@ -123,6 +152,24 @@ def _parse_mistral(text: str) -> tuple[list[ToolCall], str | None]:
     if not calls or None in calls:
         return [], text
     return calls, content
+
+
+def _parse_harmony(text: str, names: Collection[str] | None) -> tuple[list[ToolCall], str | None]:
+    messages = harmony_messages(text)
+    requests = [message for message in messages if message.recipient is not None]
+    calls = [_harmony_call(message, names) for message in requests]
+    if not calls or None in calls:  # the messages to tools stay in the content, as written
+        return [], harmony_content(messages, text)
+    return calls, harmony_content(messages, text, keep_calls=False)
+
+
+def _harmony_call(message: HarmonyMessage, names: Collection[str] | None) -> ToolCall | None:
+    """A message to `functions.NAME` with a JSON object body as a call (None for another recipient: a built-in tool
+    such as `python` or `browser.search`, which nanoinfer does not run)."""
+    namespace, _, name = message.recipient.partition(".")
+    if namespace != "functions" or (names is not None and name not in names):
+        return None
+    return _call({"name": name, "arguments": _loads(message.body.strip())})
 
 
 def _split_name(part: str) -> tuple[str, str]:
@@ -190,18 +237,41 @@ def check_tools(tools, tool_choice) -> str | None:
         names.append(function["name"])
     if len(set(names)) != len(names):
         return "tools name a function twice: give each its own name."
-    if tool_choice is None or tool_choice in ("none", "auto", "required"):
+    if tool_choice is None or tool_choice in ("none", "auto"):
         return None
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
-        return 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.'
-    if name not in names:
-        return f"tool_choice names function {name!r}, which tools do not list ({', '.join(names)})."
+    name = None  # "required": any of the functions
+    if tool_choice != "required":
+        function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+            return 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.'
+        if name not in names:
+            return f"tool_choice names function {name!r}, which tools do not list ({', '.join(names)})."
+    # Decoding will be held to these schemas: one xgrammar refuses would fail the request later, on the engine.
+    for i, tool in enumerate(tools):
+        if tool_choice == "required" or tool["function"]["name"] == name:
+            if (problem := _schema_problem(_parameters(tool["function"]))) is not None:
+                return f"tools[{i}].function.parameters is not a JSON schema xgrammar can compile: {problem}"
     return None
 
 
 def _parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+_XGRAMMAR_PREFIX = re.compile(r"^(\[[^\]]*\]\s*)?(\S+\.(cc|h|cpp):\d+:\s*)?")  # "[time] /project/cpp/file.cc:123: "
+
+
+def _schema_problem(schema: dict) -> str | None:
+    """Why xgrammar cannot compile `schema` (the first line of its error), or None."""
+    import xgrammar  # heavy: only lines that hold decoding to a call pay for it
+
+    try:
+        xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    except RuntimeError as e:  # xgrammar 0.2's C++ errors (unsupported type, bad $ref, bad pattern, ...)
+        lines = str(e).strip().splitlines()
+        return _XGRAMMAR_PREFIX.sub("", lines[0]) if lines else type(e).__name__
+    return None
 
 
 def parse_constrained_calls(text: str, tool_choice) -> list[ToolCall]:

@@ -93,7 +93,7 @@ FLAGS = {
     ),
     "tool_call_parser": _flag(
         str, "--tool-call-parser",
-        help="auto | none | hermes | llama3_json | mistral: how chat answers' tool calls are parsed.",
+        help="auto | none | hermes | llama3_json | mistral | harmony: how chat answers' tool calls are parsed.",
     ),
 }
 # The pooling runner's fields: only commands that make embeddings take them.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanoinfer.chat.answer import ChatAnswer, ChatParsers, chat_answer
-from nanoinfer.chat.reasoning import prompt_opens_thinking
+from nanoinfer.chat.reasoning import prompt_closes_thinking, prompt_opens_thinking
 from nanoinfer.errors import RequestError, short_repr
 from nanoinfer.jsonl.lines import LineError, internal_error_message
 from nanoinfer.jsonl.records import error_record, result_record
@@ -114,7 +114,8 @@ class LineRunner:
         if self.parsers.needs_special_tokens(parses_tools):
             text = _text_with_special_tokens(self.llm, completion)
         return chat_answer(text, completion.finish_reason, self.parsers, prompt_opened=request.prompt_opens_thinking,
-                           tools=request.tools, tool_choice=request.tool_choice,
+                           prompt_closed=request.prompt_closes_thinking, tools=request.tools,
+                           tool_choice=request.tool_choice,
                            seed=f"{request.id}:{completion.index}")  # fmt: skip
 
 
@@ -159,6 +160,7 @@ def admit(llm, request: BatchRequest, loras: dict[str, LoRARequest]) -> LineErro
             prompt = llm.apply_chat_template(request.messages, tools=request.tools,
                                              chat_template_kwargs=request.chat_template_kwargs)  # fmt: skip
             request.prompt_opens_thinking = prompt_opens_thinking(prompt)
+            request.prompt_closes_thinking = prompt_closes_thinking(prompt)
         else:
             prompt = request.prompt
         llm.add_request(prompt, request.params, request_id=str(request.line), lora_request=lora,

@@ -48,7 +48,9 @@ class BatchRequest:
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict | None = None
-    prompt_opens_thinking: bool = False  # the rendered prompt ends inside <think> (set when the line is admitted)
+    # the rendered prompt ends inside <think> / after a closed one (set when the line is admitted)
+    prompt_opens_thinking: bool = False
+    prompt_closes_thinking: bool = False
 
     @property
     def is_openai(self) -> bool:
