@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from nanoinfer.chat.tool_calls import check_tools, tool_call_schema
 from nanoinfer.errors import RequestError, StructuredOutputError
 from nanoinfer.errors import short_repr as _short
 from nanoinfer.jsonl.lines import NATIVE, BadLine, _json_type, _refuse_unknown, request_id_of
@@ -89,8 +90,6 @@ def _parse_native(number: int, obj: dict, defaults: dict) -> BatchRequest:
 def take_chat_options(obj: dict, fields: dict, defaults: dict, where: str) -> dict:
     """A chat line's tools, tool_choice and chat_template_kwargs, checked, as BatchRequest fields; tool_choice
     "required" or a named function becomes the JSON schema decoding is held to (chat/tool_calls.py)."""
-    from nanoinfer.chat.tool_calls import check_tools, tool_call_schema
-
     kwargs = obj.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadLine("invalid_chat_template_kwargs", f"{where}chat_template_kwargs must be a JSON object, got "
