@@ -162,6 +162,9 @@ if importlib.util.find_spec("flash_attn") is not None:
         report["problems"].append(f"flash_attn is installed but does not import: {type(e).__name__}: {e}")
 else:
     report["versions"]["flash-attn"] = None
+# optional: the LoRA comparison in tests/gpu builds its adapters with PEFT and skips without it (ship a wheel in wheels/)
+report["versions"]["peft"] = getattr(importlib.import_module("peft"), "__version__", "?") \
+    if importlib.util.find_spec("peft") is not None else None
 if "torch" not in report["missing_system"]:
     import torch
     report["cuda_available"] = torch.cuda.is_available()
