@@ -127,3 +127,16 @@ def test_auto_parses_a_hermes_call_the_model_wrote(tmp_path, thinking_model):
     assert (parsed.function.name, json.loads(parsed.function.arguments)) == ("get_time", {"zone": "UTC"})
     message = ChatCompletion.model_validate(records["unknown"]["response"]["body"]).choices[0].message
     assert not message.tool_calls and message.content == other
+
+
+def test_special_thinking_tokens_still_split(tmp_path):
+    """A tokenizer that marks <think> and </think> special: decoded text leaves them out, so the answer is read from
+    the output decoded with them."""
+    model = build_tiny_model("qwen3", tmp_path / "special", thinking="special")
+    budget = run(tmp_path, [native("budget", max_tokens=10, max_reasoning_tokens=3)], "--model", str(model))["budget"]
+    assert budget["reasoning_content"] and budget["text"]
+    assert "think>" not in budget["text"] + budget["reasoning_content"]
+    (tmp_path / "none").mkdir()
+    refused = run(tmp_path / "none", [native("budget", max_tokens=10, max_reasoning_tokens=3)], "--model", str(model),
+                  "--reasoning-parser", "none")["budget"]  # fmt: skip
+    assert refused["error"]["code"] == "invalid_sampling_params"  # a budget needs the think parser

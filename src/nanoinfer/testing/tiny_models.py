@@ -32,9 +32,10 @@ THINKING_CHAT_TEMPLATE = (
 THINKING_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
-def build_tokenizer(vocab_size: int = 512, thinking: bool = False):
+def build_tokenizer(vocab_size: int = 512, thinking: bool | str = False):
     """A BPE tokenizer trained on CORPUS; `thinking`: with <think> / </think> / <tool_call> / </tool_call> as tokens
-    of their own (not special: they stay in decoded text, as Qwen3's) and THINKING_CHAT_TEMPLATE."""
+    of their own (not special: they stay in decoded text, as Qwen3's; "special": special ones, which decoding with
+    skip_special_tokens leaves out, as some models mark them) and THINKING_CHAT_TEMPLATE."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +53,7 @@ def build_tokenizer(vocab_size: int = 512, thinking: bool = False):
     )
     fast.chat_template = CHAT_TEMPLATE
     if thinking:
-        fast.add_tokens(THINKING_TOKENS)
+        fast.add_tokens(THINKING_TOKENS, special_tokens=thinking == "special")
         fast.chat_template = THINKING_CHAT_TEMPLATE
     return fast
 
@@ -60,7 +61,7 @@ def build_tokenizer(vocab_size: int = 512, thinking: bool = False):
 def build_tiny_model(family: str, path: str | Path, *, num_layers: int = 2, hidden_size: int = 64,
                      num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
                      max_position_embeddings: int = 2048, tie_word_embeddings: bool | None = None,
-                     seed: int = 0, thinking: bool = False, **options) -> Path:
+                     seed: int = 0, thinking: bool | str = False, **options) -> Path:
     """Save a random-weight model of `family` (a key of TINY_FAMILIES) to `path` and return it. `options` are
     config fields that replace the family's own test options (e.g. sliding_window). `thinking`: the tokenizer and
     chat template of a model that thinks first and calls tools (build_tokenizer).
