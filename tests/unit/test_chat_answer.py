@@ -47,6 +47,7 @@ def test_required_reads_the_constrained_json_and_keeps_a_cut_off_one_as_text():
     answer = chat_answer('[{"name": "get_time", "parameters": {"zone": "CET"}}]', "stop", ChatParsers(),
                          tools=TOOLS, tool_choice="required")  # fmt: skip
     assert calls(answer) == [("get_time", {"zone": "CET"})] and answer.content is None
+    assert answer.finish_reason == "stop"  # a forced call keeps the completion's reason, as OpenAI answers it
     cut = chat_answer('[{"name": "get_ti', "length", ChatParsers(), tools=TOOLS, tool_choice="required")
     assert cut == ChatAnswer('[{"name": "get_ti', None, [], "length")
 

@@ -14,7 +14,7 @@ class ChatAnswer:
     content: str | None
     reasoning_content: str | None = None
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI's shape: id, type, function {name, arguments}
-    finish_reason: str | None = None  # "tool_calls" when it called tools, else the completion's
+    finish_reason: str | None = None  # "tool_calls" when it chose to call tools, else the completion's
 
 
 @dataclass(frozen=True)
@@ -57,4 +57,7 @@ def chat_answer(text: str, finish_reason: str | None, parsers: ChatParsers, *, p
         elif parsers.tool_calls is not None:
             calls, content = parse_tool_calls(parsers.tool_calls, content, names)
     tool_calls = [call.to_openai(call_id(seed, i)) for i, call in enumerate(calls)]
-    return ChatAnswer(content, reasoning, tool_calls, "tool_calls" if tool_calls else finish_reason)
+    # The model chose to call ("auto"): finish_reason tool_calls. A call tool_choice forced keeps the completion's
+    # own reason ("stop"), as OpenAI's API and vLLM answer forced calls.
+    chose = tool_calls and not (tool_choice == "required" or isinstance(tool_choice, dict))
+    return ChatAnswer(content, reasoning, tool_calls, "tool_calls" if chose else finish_reason)
