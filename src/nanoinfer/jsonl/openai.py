@@ -180,13 +180,15 @@ def _parse_openai(number: int, obj: dict, kind: str, defaults: dict) -> BatchReq
 
 
 def _openai_result(request: BatchRequest, output, decode: Callable[[int], str], answers: list | None = None) -> dict:
+    """The batch output line of a finished completions or chat line (a chat line's `answers`: chat/answer.ChatAnswer
+    for each completion, what its message says)."""
     created = int(time.time())
     usage = {k: output.usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     choices = []
     for i, c in enumerate(output.outputs):
         choice: dict = {"index": c.index}
         finish_reason = c.finish_reason
-        if request.kind == CHAT and answers is not None:  # content, and reasoning_content / tool_calls (vLLM's shape)
+        if request.kind == CHAT:  # content, and reasoning_content / tool_calls (vLLM's shape)
             answer = answers[i]
             choice["message"] = {"role": "assistant", "content": answer.content}
             if answer.reasoning_content is not None:
@@ -194,9 +196,6 @@ def _openai_result(request: BatchRequest, output, decode: Callable[[int], str], 
             if answer.tool_calls:
                 choice["message"]["tool_calls"] = answer.tool_calls
             finish_reason = answer.finish_reason
-            choice["logprobs"] = _chat_logprobs(c.logprobs, decode) if c.logprobs is not None else None
-        elif request.kind == CHAT:
-            choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = _chat_logprobs(c.logprobs, decode) if c.logprobs is not None else None
         elif request.echo:
             prompt = output.prompt if output.prompt is not None else "".join(map(decode, output.prompt_token_ids))
