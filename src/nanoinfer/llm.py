@@ -39,7 +39,7 @@ from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingReques
 from nanoinfer.pooling import PoolingParams, first_pooled_position, read_sentence_transformers_folder
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import StructuredOutputManager
-from nanoinfer.tokenizer import load_tokenizer
+from nanoinfer.tokenizer import TEMPLATE_ARGUMENTS, load_tokenizer
 
 
 class LLM:
@@ -365,7 +365,7 @@ class LLM:
             )
         try:
             options = {key: value for key, value in (chat_template_kwargs or {}).items()
-                       if key not in ("messages", "tools", "add_generation_prompt")}  # fmt: skip
+                       if key not in TEMPLATE_ARGUMENTS}  # the rendering's own are this call's  # fmt: skip
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools, **options
             )

@@ -37,6 +37,24 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
 
 
+# The chat template rendering's own arguments: its options (chat_template_kwargs) may not set them
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+                                "continue_final_message", "return_dict", "conversation"})
+
+
+def template_kwargs_problem(value) -> str | None:
+    """What is wrong with chat template options (chat_template_kwargs), or None: not an object, or setting one of
+    the rendering's own arguments."""
+    if not isinstance(value, dict):
+        json_type = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number",
+                     type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+        return f"must be a JSON object, got {json_type}."
+    reserved = sorted(set(value) & TEMPLATE_ARGUMENTS)
+    if reserved:
+        return f"may not set {', '.join(reserved)}: nanoinfer renders the messages and tools with the model's template."
+    return None
+
+
 class FastTokenizer:
     """tokenizer.json through `tokenizers`, with the part of transformers' tokenizer API nanoinfer uses."""
 

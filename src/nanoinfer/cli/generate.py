@@ -39,11 +39,11 @@ from nanoinfer.jsonl.requests import (
     ANY_WHITESPACE_DEFAULT,
     CHAT_TEMPLATE_KWARGS_DEFAULT,
     DEFAULT_MAX_TOKENS,
-    RESERVED_TEMPLATE_KWARGS,
     make_params,
 )
 from nanoinfer.jsonl.writer import RecordWriter
 from nanoinfer.progress import JobProgress
+from nanoinfer.tokenizer import template_kwargs_problem
 
 logger = logging.getLogger("nanoinfer")
 
@@ -414,12 +414,8 @@ def _read_chat_template_kwargs(text: str) -> dict:
     except ValueError as e:
         raise RequestError(f"--chat-template-kwargs is not JSON ({e}): give an object, e.g. "
                            "'{\"enable_thinking\": false}'.") from None
-    if not isinstance(value, dict):
-        raise RequestError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}.")
-    reserved = sorted(set(value) & RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise RequestError(f"--chat-template-kwargs may not set {', '.join(reserved)}: nanoinfer renders each line's "
-                           "messages and tools with the model's template.")
+    if (problem := template_kwargs_problem(value)) is not None:
+        raise RequestError(f"--chat-template-kwargs {problem}")
     return value
 
 

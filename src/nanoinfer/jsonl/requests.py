@@ -12,6 +12,7 @@ from nanoinfer.errors import RequestError, StructuredOutputError
 from nanoinfer.errors import short_repr as _short
 from nanoinfer.jsonl.lines import NATIVE, BadLine, _json_type, _refuse_unknown, request_id_of
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.tokenizer import template_kwargs_problem
 
 # Used when neither the line nor the command gives max_tokens (SamplingParams' own default, 16, is a
 # library default for quick calls; a batch job usually wants whole answers).
@@ -26,9 +27,6 @@ _CHAT_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwar
 _NATIVE_KEYS = ("id", *_PROMPT_KEYS, *_SAMPLING_KEYS, "response_format", "lora", *_CHAT_KEYS)
 ANY_WHITESPACE_DEFAULT = "json_any_whitespace"  # a sampling default of the job (--json-any-whitespace)
 CHAT_TEMPLATE_KWARGS_DEFAULT = "chat_template_kwargs"  # a default of the job (--chat-template-kwargs)
-# What chat_template_kwargs may not set: the rendering's own arguments
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize",
-                                      "chat_template", "continue_final_message", "return_dict", "conversation"})
 
 
 @dataclass
@@ -91,13 +89,8 @@ def take_chat_options(obj: dict, fields: dict, defaults: dict, where: str) -> di
     """A chat line's tools, tool_choice and chat_template_kwargs, checked, as BatchRequest fields; tool_choice
     "required" or a named function becomes the JSON schema decoding is held to (chat/tool_calls.py)."""
     kwargs = obj.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise BadLine("invalid_chat_template_kwargs", f"{where}chat_template_kwargs must be a JSON object, got "
-                      f"{_json_type(kwargs)}.")  # fmt: skip
-    reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise BadLine("invalid_chat_template_kwargs", f"{where}chat_template_kwargs may not set {', '.join(reserved)}: "
-                      "nanoinfer renders the line's own messages and tools with the model's template.")  # fmt: skip
+    if kwargs is not None and (problem := template_kwargs_problem(kwargs)) is not None:
+        raise BadLine("invalid_chat_template_kwargs", f"{where}chat_template_kwargs {problem}")
     tools, tool_choice = obj.get("tools"), obj.get("tool_choice")
     if tools is None and tool_choice not in (None, "none", "auto"):
         raise BadLine("invalid_tools", f"{where}tool_choice {_short(tool_choice)} needs {where}tools.")
