@@ -115,10 +115,13 @@ class LLM:
             RequestError: a malformed prompt (token ids outside the vocabulary) or SamplingParams list, an adapter
                 that cannot be used (code invalid_lora).
         """
+        return self._generate(_as_prompt_list(prompts), sampling_params, lora_request, chat=False)
+
+    def _generate(self, prompts: list, sampling_params, lora_request, chat: bool) -> list[RequestOutput]:
+        """generate() and chat(): the params and adapters broadcast over the prompts, all run to the end."""
         self._check_runner("generate")
-        prompts = _as_prompt_list(prompts)
         params = _broadcast_params(sampling_params, len(prompts), SamplingParams)
-        return self._run_all(prompts, params, _broadcast_loras(lora_request, len(prompts)))
+        return self._run_all(prompts, params, _broadcast_loras(lora_request, len(prompts)), chat)
 
     def embed(
         self,
@@ -176,9 +179,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs)
                    for c in conversations]  # fmt: skip
-        self._check_runner("generate")
-        params = _broadcast_params(sampling_params, len(prompts), SamplingParams)
-        return self._run_all(prompts, params, _broadcast_loras(lora_request, len(prompts)), chat=True)
+        return self._generate(prompts, sampling_params, lora_request, chat=True)
 
     # ---- the streaming API (used by `nanoinfer generate`) ----------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,

@@ -103,7 +103,7 @@ class LoRALayerWeights:
         adapter leaves the slice alone."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
-        rank_id, tp = self.layer.tp_rank, self.layer.tp_size
+        rank_id = self.layer.tp_rank
         for s, weights in enumerate(slices):
             if weights is None:
                 continue
@@ -113,7 +113,7 @@ class LoRALayerWeights:
             if self.column_parallel:  # B's rows follow the layer's output rows: this rank's share of them
                 b = b.narrow(0, rank_id * (hi - lo), hi - lo)
             else:  # A's columns follow the layer's input columns
-                a = a.narrow(1, rank_id * self.lora_a.shape[2], self.lora_a.shape[2]) if tp > 1 else a
+                a = a.narrow(1, rank_id * self.lora_a.shape[2], self.lora_a.shape[2])
             self.lora_a[slot, s * self.max_rank : s * self.max_rank + rank] = a
             self.lora_b[slot, :rank, lo:hi] = b.T
 
