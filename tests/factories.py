@@ -9,7 +9,12 @@ lists stay readable.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.ngram_proposer import NgramProposer
@@ -122,3 +127,31 @@ def stop_by_full_decode(tokenizer, output_token_ids: list[int], params: Sampling
             index, _, stop = min(found)
             return n, stop, text[:index]
     return None
+
+
+# ---- `nanoinfer generate` in a process of its own (the kill -9 and resume tests) ----------------------------------
+
+
+def start_generate(source, out, *flags: str) -> subprocess.Popen:
+    """`nanoinfer generate SOURCE -o OUT FLAGS...` in a subprocess (one OpenMP thread, no tokenizer threads), its
+    stderr kept for the failure report."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "nanoinfer", "generate", str(source), "-o", str(out), *flags]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+
+
+def wait_for(proc: subprocess.Popen, condition: Callable[[], bool], timeout: float = 120.0,
+             poll: float = 0.005) -> None:  # fmt: skip
+    """Until `condition()` holds or the job has exited; the job must make progress within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and not condition():
+        assert time.monotonic() < deadline, "the job made no progress"
+        time.sleep(poll)
+
+
+def count_lines(path: Path) -> int:
+    """Whole lines written to `path` so far (0 before it exists)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0

@@ -6,16 +6,13 @@ mid-run resumes to the same records, and its manifest refuses a changed adapter.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shlex
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
+from factories import count_lines, start_generate, wait_for
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -265,10 +262,6 @@ def resume_job(setup, root):
     return source, flags
 
 
-def count_lines(path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
-
-
 def test_killed_job_resumes_to_the_uninterrupted_records(setup, tmp_path):
     source, flags = resume_job(setup, tmp_path)
     reference = tmp_path / "reference.jsonl"
@@ -279,13 +272,8 @@ def test_killed_job_resumes_to_the_uninterrupted_records(setup, tmp_path):
     assert len(expected) == 40 and {key: r["lora"] for key, r in expected.items() if "lora" in r} == asked
 
     out = tmp_path / "out.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "nanoinfer", "generate", str(source), "-o", str(out), *flags, *ENGINE_FLAGS]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and count_lines(out) < 6:
-        assert time.monotonic() < deadline, "the job made no progress"
-        time.sleep(0.005)
+    proc = start_generate(source, out, *flags, *ENGINE_FLAGS)
+    wait_for(proc, lambda: count_lines(out) >= 6)
     proc.kill()
     assert proc.wait() == -signal.SIGKILL, proc.stderr.read().decode()
     assert 6 <= count_lines(out) < 40  # killed mid-job

@@ -11,12 +11,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from factories import count_lines, start_generate, wait_for
 from typer.testing import CliRunner
 
 from nanoinfer.cli import app
@@ -79,12 +79,6 @@ def read_records(path: Path, allow_torn_tail: bool = False) -> list[dict]:
     return [json.loads(line) for line in lines]  # every whole line parses
 
 
-def count_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
 
 def results_by_id(records: list[dict]) -> dict:
     ids = [r["id"] for r in records]
@@ -93,18 +87,7 @@ def results_by_id(records: list[dict]) -> dict:
 
 
 def start(job, out: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "nanoinfer", "generate", str(job["source"]), "-o", str(out), "--resume"]
-    return subprocess.Popen(
-        command + job["flags"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
-    )
-
-
-def wait_for(proc: subprocess.Popen, condition, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and not condition():
-        assert time.monotonic() < deadline, "the job made no progress"
-        time.sleep(0.005)
+    return start_generate(job["source"], out, "--resume", *job["flags"])
 
 
 def assert_complete_and_equal_to_reference(job, out: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import count_lines, start_generate, wait_for
 from typer.testing import CliRunner
 
 from nanoinfer.cli import app
@@ -110,11 +111,6 @@ def by_line(records: list[dict]) -> dict[int, dict]:
     return keyed
 
 
-def count_lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 def generate(job, out: Path, *args: str):
@@ -196,15 +192,9 @@ def test_a_replica_killed_mid_job_has_its_lines_retried_on_the_other(job, ray_ad
 
 def test_driver_killed_with_sigkill_resumes_with_another_number_of_replicas(job, ray_address, tmp_path):
     out = tmp_path / "out.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "nanoinfer", "generate", str(job["source"]), "-o", str(out), *job["flags"],
-               "--data-parallel-size", "2", "--ray-address", ray_address]
     before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and count_lines(out) < 60:
-        assert time.monotonic() < deadline, "the job made no progress"
-        time.sleep(0.002)
+    proc = start_generate(job["source"], out, *job["flags"], "--data-parallel-size", "2", "--ray-address", ray_address)
+    wait_for(proc, lambda: count_lines(out) >= 60, poll=0.002)
     proc.kill()
     assert proc.wait() == -signal.SIGKILL, proc.stderr.read().decode()
     proc.stderr.close()
