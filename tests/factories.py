@@ -155,3 +155,25 @@ def count_lines(path: Path) -> int:
         return path.read_bytes().count(b"\n")
     except FileNotFoundError:
         return 0
+
+
+# ---- Config's checks ---------------------------------------------------------------------------------------------
+
+
+def config_problems(**kwargs) -> list:
+    """The ConfigProblems Config(**kwargs) raises (it must raise)."""
+    import pytest
+
+    from nanoinfer.config import Config
+    from nanoinfer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        Config(**kwargs)
+    return info.value.problems
+
+
+def only_config_problem(**kwargs):
+    """The one ConfigProblem Config(**kwargs) raises."""
+    problems = config_problems(**kwargs)
+    assert len(problems) == 1, [str(p) for p in problems]
+    return problems[0]

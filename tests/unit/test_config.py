@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import config_problems, only_config_problem
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import nanoinfer.config as config_module
@@ -38,16 +39,6 @@ def model_dir(tmp_path):
     return make_model_dir(tmp_path / "tiny-qwen3")
 
 
-def problems_of(**kwargs) -> list:
-    with pytest.raises(ConfigError) as excinfo:
-        Config(**kwargs)
-    return excinfo.value.problems
-
-
-def only_problem(**kwargs):
-    problems = problems_of(**kwargs)
-    assert len(problems) == 1, [str(p) for p in problems]
-    return problems[0]
 
 
 def test_valid_config_loads_hf_config_and_fills_in_auto_values(model_dir):
@@ -77,7 +68,7 @@ def test_supported_families_are_accepted(tmp_path, config_class):
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     GPT2Config(n_embd=64, n_layer=1, n_head=4).save_pretrained(tmp_path)
-    problem = only_problem(model=str(tmp_path), device="cpu")
+    problem = only_config_problem(model=str(tmp_path), device="cpu")
     assert problem.field == "model"
     assert "model_type 'gpt2'" in problem.message
     assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in problem.message
@@ -86,12 +77,12 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
 
 def test_unreadable_config_json_is_a_problem_not_a_crash(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    problem = only_problem(model=str(tmp_path), device="cpu")
+    problem = only_config_problem(model=str(tmp_path), device="cpu")
     assert problem.field == "model" and "config.json cannot be read" in problem.message
 
 
 def test_missing_model_is_reported_with_the_other_problems(tmp_path):
-    problems = problems_of(model=str(tmp_path / "nope"), kvcache_block_size=100, tensor_parallel_size=3)
+    problems = config_problems(model=str(tmp_path / "nope"), kvcache_block_size=100, tensor_parallel_size=3)
     assert [p.field for p in problems] == ["kvcache_block_size", "model"]  # tp=3 needs the model: skipped
 
 
@@ -107,7 +98,7 @@ def test_config_reads_local_folders_only_and_never_fetches(model, tmp_path, monk
         monkeypatch.setattr(model_source, name, refuse)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    problem = only_problem(model=model, device="cpu")
+    problem = only_config_problem(model=model, device="cpu")
     assert (problem.field, problem.value) == ("model", model)
     assert "Config reads a local Hugging Face model folder" in problem.message
     assert "nanoinfer.model_source.resolve_model()" in problem.message and "--model" in problem.message
@@ -165,7 +156,7 @@ RULES = [
     ("kwargs", "field", "value", "text"), RULES, ids=[r[1] + str(i) for i, r in enumerate(RULES)]
 )
 def test_each_rule_names_field_value_and_fix(model_dir, kwargs, field, value, text):
-    problem = only_problem(**{"model": model_dir, "device": "cpu", **kwargs})
+    problem = only_config_problem(**{"model": model_dir, "device": "cpu", **kwargs})
     assert problem.field == field
     if value is not None:
         assert problem.value == value
@@ -173,20 +164,20 @@ def test_each_rule_names_field_value_and_fix(model_dir, kwargs, field, value, te
 
 
 def test_the_kvcache_minimum_uses_the_clamped_max_model_len(model_dir):
-    problem = only_problem(model=model_dir, device="cpu", num_kvcache_blocks=1, max_model_len=10_000)
+    problem = only_config_problem(model=model_dir, device="cpu", num_kvcache_blocks=1, max_model_len=10_000)
     assert "one max_model_len sequence (2048). Use at least 8 blocks" in problem.message
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message for a machine without CUDA")
 def test_cuda_requested_without_cuda(model_dir):
-    problem = only_problem(model=model_dir, device="cuda")
+    problem = only_config_problem(model=model_dir, device="cuda")
     assert (problem.field, problem.value) == ("device", "cuda")
     assert "CUDA is not available" in problem.message and "Use device: cpu" in problem.message
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_flash_attn_needs_half_precision_on_cuda(model_dir):
-    problems = problems_of(model=model_dir, device="cuda", dtype="float32", attention_backend="flash-attn")
+    problems = config_problems(model=model_dir, device="cuda", dtype="float32", attention_backend="flash-attn")
     assert problems[0].field == "attention_backend"
 
 
@@ -214,7 +205,7 @@ def test_fp8_kv_cache_is_e4m3_and_on_cuda_needs_compute_capability_8_9_for_trito
     hopper = Config(model=model_dir, device="cuda", dtype="float16", kv_cache_dtype="fp8")
     assert (hopper.kv_cache_dtype, hopper.attention_backend) == ("fp8_e4m3", "triton")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    problem = only_problem(model=model_dir, device="cuda", dtype="float16", kv_cache_dtype="fp8")
+    problem = only_config_problem(model=model_dir, device="cuda", dtype="float16", kv_cache_dtype="fp8")
     assert (problem.field, problem.value) == ("kv_cache_dtype", "fp8_e4m3")
     assert "compute capability 8.9 or newer" in problem.message and "this one is 8.0" in problem.message
     assert "Use fp8_e5m2 or bfloat16, or attention_backend: torch" in problem.message
@@ -266,7 +257,7 @@ TYPES = [
 
 @pytest.mark.parametrize(("field", "value", "text"), TYPES)
 def test_wrong_types_are_refused(model_dir, field, value, text):
-    problem = only_problem(**{"model": model_dir, "device": "cpu", field: value})
+    problem = only_config_problem(**{"model": model_dir, "device": "cpu", field: value})
     assert (problem.field, problem.value) == (field, value)
     assert text in problem.message
 
@@ -282,7 +273,7 @@ def test_path_objects_are_accepted_for_model(model_dir):
 
 
 def test_all_problems_are_reported_at_once(model_dir):
-    problems = problems_of(
+    problems = config_problems(
         model=model_dir,
         device="cpu",
         max_num_seqs=True,
@@ -309,7 +300,7 @@ def test_all_problems_are_reported_at_once(model_dir):
 
 def test_a_wrongly_typed_field_skips_the_rules_that_read_it(model_dir):
     # max_num_seqs="64" must not also trip max_num_batched_tokens >= max_num_seqs (or crash comparing str/int).
-    problem = only_problem(model=model_dir, device="cpu", max_num_seqs="64", max_num_batched_tokens=8)
+    problem = only_config_problem(model=model_dir, device="cpu", max_num_seqs="64", max_num_batched_tokens=8)
     assert problem.field == "max_num_seqs"
 
 

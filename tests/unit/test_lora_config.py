@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import config_problems, only_config_problem
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
@@ -41,15 +42,11 @@ def adapter_dir(tmp_path_factory) -> str:
 
 
 def problems_of(**kwargs) -> list:
-    with pytest.raises(ConfigError) as info:
-        Config(device="cpu", **kwargs)
-    return info.value.problems
+    return config_problems(device="cpu", **kwargs)
 
 
 def only_problem(**kwargs):
-    problems = problems_of(**kwargs)
-    assert len(problems) == 1, [str(p) for p in problems]
-    return problems[0]
+    return only_config_problem(device="cpu", **kwargs)
 
 
 def test_max_cpu_loras_under_max_loras_is_refused(llama_dir):
