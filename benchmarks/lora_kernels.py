@@ -37,17 +37,11 @@ def timed(op, inputs: tuple, reps: int) -> float:
 
 
 def cpu_description() -> str:
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f.read().split("\n\n")[0].splitlines():
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    flags = fields.get("flags", "").split()
-    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{fields.get('model name', 'unknown CPU')} ({', '.join(features) or 'no AVX2'})"
+    """The CPU and the instruction sets the kernels use, as the CPU platform describes them (bench records too)."""
+    from nanoinfer.platforms.cpu import CpuPlatform
+
+    info = CpuPlatform().describe()
+    return f"{info['cpu']} ({', '.join(info['cpu_features']) or 'no AVX2'})"
 
 
 def main() -> None:
